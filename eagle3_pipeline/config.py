@@ -1,0 +1,256 @@
+"""The run configuration: one YAML file, one typed schema, validated before any work starts.
+
+Every stage loads the same file through `load_config`. A mistake in it (unknown key, wrong type, value out
+of range, missing field) raises `ConfigError` with one line naming the file, the key path and what is
+allowed; the numbered scripts turn that into exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25")
+
+
+class ConfigError(Exception):
+    """A user mistake in the config file or in a `--set` override (exit code 2)."""
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a misspelt knob must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------- target
+class EngineConfig(Section):
+    """How vLLM runs the target (stages 01 when it generates, 02 and 06)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (8 for Kimi-K2.5 on H200)")
+    max_model_len: int = Field(4096, ge=16, description="longest prompt + output the engine accepts")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
+    max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
+    enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+class TargetConfig(Section):
+    """The verifier model the draft learns to predict."""
+
+    path: str | None = Field(None, description="local Hugging Face folder of the target")
+    stand_in: Literal[STAND_IN_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="build and use a local stand-in target instead of `path`"
+    )
+    trust_remote_code: bool = Field(False, description="allow the target folder's own Python code")
+    weight_prefix: str = Field("", description="prefix of the text model's tensor names ('language_model.' for Kimi)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keywords for the chat template (Kimi: thinking)"
+    )
+    engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TargetConfig:
+        if (self.path is None) == (self.stand_in is None):
+            raise ValueError("set exactly one of target.path and target.stand_in")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- data
+class SourceConfig(Section):
+    """One conversation source; sources are mixed in the order listed."""
+
+    kind: Literal["hf", "file", "magpie", "humaneval"]
+    name: str | None = Field(None, description="dataset name (hf) or path (file)")
+    split: str = "train"
+    schema_: Literal["auto", "sharegpt", "messages"] = Field("auto", alias="schema")
+    limit: int | None = Field(None, ge=1, description="take at most this many conversations")
+
+
+class RegenerateConfig(Section):
+    """Replace assistant turns with the target's own answers (self-distillation)."""
+
+    enabled: bool = True
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    max_tokens: int = Field(512, ge=1)
+    thinking: bool = Field(True, description="Kimi thinking mode (ignored by templates without it)")
+    chunk_size: int = Field(64, ge=1, description="conversations per resumable chunk")
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1)
+    eval_sources: list[SourceConfig] = Field(default_factory=list, description="held-out prompts")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="train conversations held out for eval")
+    regenerate: RegenerateConfig = RegenerateConfig()
+    max_seq_len: int = Field(2048, ge=16)
+    overlong: Literal["truncate", "drop"] = "truncate"
+    seed: int = 0
+
+
+# -------------------------------------------------------------------------------------------- capture
+class CaptureConfig(Section):
+    aux_layer_ids: list[int] | None = Field(
+        None, min_length=1, description="vLLM convention (id i = input of layer i); null = (2, L//2, L-3)"
+    )
+    dtype: Literal["bfloat16", "fp8"] = Field("bfloat16", description="fp8 = e4m3 with a per-token scale")
+    samples_per_shard: int = Field(256, ge=1)
+    batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
+
+    @model_validator(mode="after")
+    def _valid_ids(self) -> CaptureConfig:
+        ids = self.aux_layer_ids
+        if ids is not None and (min(ids) < 0 or len(set(ids)) != len(ids)):
+            raise ValueError("aux_layer_ids must be distinct and >= 0")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+class VocabConfig(Section):
+    always_include: list[int] = Field(
+        default_factory=list, description="target token ids kept in the draft vocab whatever their count"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- draft
+class DraftConfig(Section):
+    """The draft's shape, explicit: nothing is inherited from the target silently."""
+
+    hidden_size: int = Field(ge=1, description="must equal the target's hidden size")
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1, description="128 for Kimi: heads x head_dim may exceed hidden_size")
+    intermediate_size: int = Field(ge=1)
+    draft_vocab_size: int = Field(ge=1)
+    rope_theta: float = Field(1e6, gt=0)
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = Field(ge=1, description="at least the serving max_model_len")
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    norm_before_residual: bool = Field(False, description="false = reference: residual is taken before hidden_norm")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DraftConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- train
+class TrainConfig(Section):
+    ttt_steps: int = Field(3, ge=1, le=7, description="training-time-test unrolled steps")
+    ttt_step_weights: list[float] | None = Field(None, description="loss weight per step; null = all 1")
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int = Field(ge=1)
+    packed_length: int = Field(2048, ge=16, description="tokens per packed sequence")
+    micro_batch_size: int = Field(1, ge=1, description="packed sequences per device per step")
+    grad_accumulation: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    checkpoint_every: int = Field(500, ge=1)
+    eval_every: int = Field(500, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _weights_match_steps(self) -> TrainConfig:
+        if self.ttt_step_weights is not None and len(self.ttt_step_weights) != self.ttt_steps:
+            raise ValueError(f"ttt_step_weights needs {self.ttt_steps} values (one per ttt step)")
+        return self
+
+
+# ------------------------------------------------------------------------------------ export, validate
+class ExportConfig(Section):
+    formats: list[Literal["reference", "speculators"]] = Field(["reference", "speculators"], min_length=1)
+    num_speculative_tokens: int = Field(3, ge=1, description="written into the speculators config")
+
+
+class ValidateConfig(Section):
+    num_speculative_tokens: list[int] = Field([3], min_length=1)
+    max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
+    max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
+    min_acceptance_ratio: float = Field(
+        0.5, ge=0, le=1, description="flag a train/serve mismatch below this x eval step-0 accuracy"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ run
+class RunConfig(Section):
+    run_dir: Path
+    target: TargetConfig
+    data: DataConfig
+    capture: CaptureConfig = CaptureConfig()
+    vocab: VocabConfig = VocabConfig()
+    draft: DraftConfig
+    train: TrainConfig
+    export: ExportConfig = ExportConfig()
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+
+    def section(self, name: str) -> dict[str, Any]:
+        """One top-level section as plain JSON data (by its YAML name)."""
+        return self.model_dump(mode="json", by_alias=True)[name]
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted_key.split(".")
+    for i, key in enumerate(parents):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted_key}: {'.'.join(parents[: i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> None:
+    """Apply `section.key=value` overrides; the value is parsed as YAML (`3`, `true`, `[2, 4]`, `null`)."""
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {override!r}: expected section.key=value")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {override!r}: value is not valid YAML ({err.problem})") from None
+        _set_dotted(tree, key.strip(), value)
+        print(f"override: {key.strip()} = {value!r}")
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(part) for part in error["loc"] if part != "__root__") or "<top level>"
+    kind, message = error["type"], error["msg"]
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind == "literal_error":
+        return f"{path}: {message.replace('Input should be', 'allowed:')}, got {error['input']!r}"
+    return f"{path}: {message}, got {error['input']!r}" if "input" in error else f"{path}: {message}"
+
+
+def parse_config(tree: Any, source: str) -> RunConfig:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        problems = [_describe(e) for e in err.errors(include_url=False)]
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
+    if isinstance(tree, dict):
+        apply_overrides(tree, list(overrides))
+    return parse_config(tree, str(path))

