@@ -1,0 +1,142 @@
+"""On-disk format of captured hidden states (stage 02 writes it; stages 04 and the tests read it).
+
+A shard is one safetensors file holding many samples back to back along the token axis:
+
+    aux    [N, n_aux, H]   the residual stream entering each aux layer (vLLM convention)
+    final  [N, H]          the last layer's output, before the final norm
+    (fp8 only) aux_scale [N, n_aux] and final_scale [N], float32: value = fp8 * scale
+
+`index.json` maps each sample id to (shard, offset, length) so a reader slices one sample without reading
+others. Shards are written to a temporary name and renamed, then verified before the index lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3_pipeline.stage_io import atomic_path, write_json_atomic
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": FP8}
+INDEX = "index.json"
+
+
+@dataclass(frozen=True)
+class SampleStates:
+    sample_id: str
+    aux: torch.Tensor  # [T, n_aux, H]
+    final: torch.Tensor  # [T, H]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    shard: str
+    offset: int
+    length: int
+
+
+def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one float32 scale per vector along the last axis (per token, per layer)."""
+    values = values.float()
+    scale = values.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (values / scale.unsqueeze(-1)).to(FP8), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.float() * scale.unsqueeze(-1)
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
+    """Disk bytes one token costs (tensor data only; the safetensors header is negligible)."""
+    vectors = num_aux + 1
+    if dtype == "fp8":
+        return vectors * (hidden_size + 4)
+    return vectors * hidden_size * 2
+
+
+def write_shard(path: Path, samples: list[SampleStates], dtype: str) -> dict[str, IndexEntry]:
+    """Write samples into one shard atomically; return their index entries."""
+    aux = torch.cat([s.aux for s in samples])
+    final = torch.cat([s.final for s in samples])
+    if dtype == "fp8":
+        aux, aux_scale = quantize_fp8(aux)
+        final, final_scale = quantize_fp8(final)
+        tensors = {"aux": aux, "final": final, "aux_scale": aux_scale, "final_scale": final_scale}
+    else:
+        tensors = {"aux": aux.to(torch.bfloat16), "final": final.to(torch.bfloat16)}
+    entries, offset = {}, 0
+    for sample in samples:
+        entries[sample.sample_id] = IndexEntry(path.name, offset, sample.final.shape[0])
+        offset += sample.final.shape[0]
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    return entries
+
+
+def verify_shard(path: Path, expected_tokens: int, num_aux: int, hidden_size: int, dtype: str) -> str | None:
+    """None when the shard is readable with the expected tokens, shapes and dtype; else what is wrong."""
+    want = {"aux": (expected_tokens, num_aux, hidden_size), "final": (expected_tokens, hidden_size)}
+    if dtype == "fp8":
+        want |= {"aux_scale": (expected_tokens, num_aux), "final_scale": (expected_tokens,)}
+    try:
+        with safe_open(str(path), "pt") as f:
+            if set(f.keys()) != set(want):
+                return f"{path.name}: tensors {sorted(f.keys())}, expected {sorted(want)}"
+            for name, shape in want.items():
+                tensor = f.get_tensor(name)
+                expected_dtype = torch.float32 if name.endswith("_scale") else STORAGE_DTYPES[dtype]
+                if tuple(tensor.shape) != shape or tensor.dtype != expected_dtype:
+                    return f"{path.name}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {expected_dtype}"
+                if not torch.isfinite(tensor.float()).all():
+                    return f"{path.name}: {name} holds non-finite values"
+    except Exception as err:  # a truncated or corrupt file raises from the safetensors parser
+        return f"{path.name}: unreadable ({err})"
+    return None
+
+
+class HiddenStatesReader:
+    """Reads one sample's states from a finished (or partially finished) stage-02 folder."""
+
+    def __init__(self, folder: Path, index: dict[str, IndexEntry]):
+        self.folder = folder
+        self.index = index
+        self._open: dict[str, object] = {}
+
+    def _handle(self, shard: str):
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(self.folder / shard), "pt")
+        return self._open[shard]
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self.index
+
+    def get(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [T, n_aux, H], final [T, H]) in bfloat16 (fp8 shards are dequantized)."""
+        entry = self.index[sample_id]
+        f = self._handle(entry.shard)
+        rows = slice(entry.offset, entry.offset + entry.length)
+        aux, final = f.get_slice("aux")[rows], f.get_slice("final")[rows]
+        if aux.dtype == FP8:
+            aux = dequantize_fp8(aux, f.get_slice("aux_scale")[rows])
+            final = dequantize_fp8(final, f.get_slice("final_scale")[rows])
+        return aux.to(torch.bfloat16), final.to(torch.bfloat16)
+
+
+def write_index(folder: Path, entries: dict[str, IndexEntry], layout: dict[str, Any]) -> None:
+    """`layout` describes the states (aux_layer_ids, convention, hidden_size, dtype); entries locate samples."""
+    write_json_atomic(folder / INDEX, {**layout, "samples": {k: asdict(v) for k, v in entries.items()}})
+
+
+def open_reader(folder: Path) -> tuple[HiddenStatesReader, dict[str, Any]]:
+    """A reader over a stage-02 folder and its layout (everything in index.json except the samples)."""
+    layout = json.loads((folder / INDEX).read_text())
+    entries = {k: IndexEntry(**v) for k, v in layout.pop("samples").items()}
+    return HiddenStatesReader(folder, entries), layout
