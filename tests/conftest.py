@@ -37,3 +37,28 @@ def tiny_kimi_dir() -> Path:
     from eagle3_pipeline.stand_ins import ensure_stand_in
 
     return ensure_stand_in("tiny-kimi-k25")
+
+
+def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str, list[list[dict]]]) -> None:
+    """A finished 01_data stage holding `chats` (split -> conversations), tokenized with the target's template.
+
+    For tests of later stages that need realistic inputs without running stage 01 (and its vLLM generation).
+    Every token is marked as loss; ids are `<split>-<n>`.
+    """
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from eagle3_pipeline.stage_io import Stage
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stage = Stage(config, "01_data")
+    stage.begin()
+    for split, conversations in chats.items():
+        rows = {"id": [], "source": [], "input_ids": [], "loss_mask": [], "seq_len": []}
+        for n, messages in enumerate(conversations):
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+            for key, value in (("id", f"{split}-{n}"), ("source", "fabricated"), ("input_ids", ids),
+                               ("loss_mask", [1] * len(ids)), ("seq_len", len(ids))):
+                rows[key].append(value)
+        Dataset.from_dict(rows).save_to_disk(str(stage.path(split)))
+    stage.finish(counts={split: len(conversations) for split, conversations in chats.items()})

@@ -72,8 +72,8 @@ def test_broken_config_exits_2_with_one_line_naming_the_key(tmp_path, edit, key,
 
 
 def test_overrides_go_through_validation(tmp_path):
-    config = load_config(CONFIGS / "demo.yaml", ["train.max_steps=7", "capture.aux_layer_ids=[1, 2, 3]"])
-    assert config.train.max_steps == 7 and config.capture.aux_layer_ids == [1, 2, 3]
+    config = load_config(CONFIGS / "demo.yaml", ["train.max_steps=70", "capture.aux_layer_ids=[1, 2, 3]"])
+    assert config.train.max_steps == 70 and config.capture.aux_layer_ids == [1, 2, 3]
     with pytest.raises(ConfigError, match=r"train\.max_steps: .*greater than or equal to 1"):
         load_config(CONFIGS / "demo.yaml", ["train.max_steps=0"])
     with pytest.raises(ConfigError, match=r"expected section.key=value"):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import run_python
+from tests.stand_ins.greedy import assert_same_greedy_tokens, vllm_chat_greedy
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -41,36 +39,10 @@ def test_answers_like_an_instruct_model(smollm2_dir):
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
 
 
-def hf_greedy(model_dir, prompts, max_new_tokens, dtype=torch.float32):
-    """Plain argmax decoding with transformers' forward: no generation config, no logits processors."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    outputs = []
-    with torch.no_grad():
-        for ids in prompts:
-            tokens = list(ids)
-            for _ in range(max_new_tokens):
-                logits = model(torch.tensor([tokens])).logits[0, -1]
-                tokens.append(int(logits.argmax()))
-            outputs.append(tokens[len(ids):])
-    return outputs
-
-
-def vllm_greedy(model_dir, prompts, max_tokens, tmp_path, dtype="float32"):
-    request = tmp_path / "request.json"
-    request.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "dtype": dtype}))
-    result = run_python("-m", "tests.vllm_greedy", str(model_dir), str(request), timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
-
-
 @pytest.mark.vllm
 def test_vllm_greedy_matches_transformers(smollm2_dir, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-               for chat in CHATS]
-    served = vllm_greedy(smollm2_dir, prompts, GREEDY_TOKENS, tmp_path)
+    chats = [(messages, {}) for messages in CHATS]
+    served = vllm_chat_greedy(smollm2_dir, chats, GREEDY_TOKENS, tmp_path)
     assert served["architecture"] == "LlamaForCausalLM"
-    reference = hf_greedy(smollm2_dir, prompts, GREEDY_TOKENS)
-    for chat, got, want in zip(CHATS, served["outputs"], reference):
-        assert got == want, f"{chat[-1]['content']!r}: vLLM {tokenizer.decode(got)!r} != HF {tokenizer.decode(want)!r}"
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    assert_same_greedy_tokens(model, AutoTokenizer.from_pretrained(smollm2_dir), chats, served, GREEDY_TOKENS)
