@@ -63,19 +63,35 @@ class SourceConfig(Section):
     """One conversation source; sources are mixed in the order listed."""
 
     kind: Literal["hf", "file", "magpie", "humaneval"]
-    name: str | None = Field(None, description="dataset name (hf) or path (file)")
-    split: str = "train"
-    schema_: Literal["auto", "sharegpt", "messages"] = Field("auto", alias="schema")
-    limit: int | None = Field(None, ge=1, description="take at most this many conversations")
+    name: str | None = Field(
+        None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"
+    )
+    split: str = Field("train", description="hf: which split to read")
+    schema_: Literal["auto", "sharegpt", "messages"] = Field(
+        "auto", alias="schema", description="sharegpt: conversations of from/value; messages: role/content"
+    )
+    limit: int | None = Field(None, ge=1, description="take at most this many records (magpie: conversations made)")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="magpie: sampling temperature of the user turn")
+    max_tokens: int = Field(128, ge=1, description="magpie: longest user turn in tokens")
+
+    @model_validator(mode="after")
+    def _kind_needs(self) -> SourceConfig:
+        if self.kind in ("hf", "file") and not self.name:
+            raise ValueError(f"a {self.kind} source needs `name`")
+        if self.kind == "magpie" and self.limit is None:
+            raise ValueError("a magpie source needs `limit` (how many conversations to synthesise)")
+        return self
 
 
 class RegenerateConfig(Section):
     """Replace assistant turns with the target's own answers (self-distillation)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="false: keep the sources' answers (magpie answers are still generated)")
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    max_tokens: int = Field(512, ge=1)
-    thinking: bool = Field(True, description="Kimi thinking mode (ignored by templates without it)")
+    max_tokens: int = Field(512, ge=1, description="longest generated answer in tokens")
+    thinking: bool = Field(
+        True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
+    )
     chunk_size: int = Field(64, ge=1, description="conversations per resumable chunk")
 
 
@@ -84,9 +100,9 @@ class DataConfig(Section):
     eval_sources: list[SourceConfig] = Field(default_factory=list, description="held-out prompts")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="train conversations held out for eval")
     regenerate: RegenerateConfig = RegenerateConfig()
-    max_seq_len: int = Field(2048, ge=16)
-    overlong: Literal["truncate", "drop"] = "truncate"
-    seed: int = 0
+    max_seq_len: int = Field(2048, ge=16, description="tokens per sample; longer ones are handled per `overlong`")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="what happens to samples over max_seq_len")
+    seed: int = Field(0, description="which conversations eval_fraction holds out; per-request sampling seeds")
 
 
 # -------------------------------------------------------------------------------------------- capture
@@ -95,6 +111,9 @@ class CaptureConfig(Section):
         None, min_length=1, description="vLLM convention (id i = input of layer i); null = (2, L//2, L-3)"
     )
     dtype: Literal["bfloat16", "fp8"] = Field("bfloat16", description="fp8 = e4m3 with a per-token scale")
+    method: Literal["auto", "extract_hidden_states", "worker_extension"] = Field(
+        "auto", description="auto = vLLM's extract_hidden_states from 0.18 on (not for MLA targets), else the worker extension"
+    )
     samples_per_shard: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
 
@@ -140,17 +159,27 @@ class DraftConfig(Section):
 class TrainConfig(Section):
     ttt_steps: int = Field(3, ge=1, le=7, description="training-time-test unrolled steps")
     ttt_step_weights: list[float] | None = Field(None, description="loss weight per step; null = all 1")
-    learning_rate: float = Field(1e-4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, description="peak AdamW learning rate, reached after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this x learning_rate")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    max_steps: int = Field(ge=1)
-    packed_length: int = Field(2048, ge=16, description="tokens per packed sequence")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many optimizer steps")
+    max_steps: int = Field(ge=1, description="optimizer steps in the whole run")
+    packed_length: int = Field(2048, ge=16, description="rows per packed sequence; >= data.max_seq_len - 1")
     micro_batch_size: int = Field(1, ge=1, description="packed sequences per device per step")
     grad_accumulation: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
-    mixed_precision: Literal["no", "bf16"] = "bf16"
-    distributed: Literal["ddp", "fsdp"] = "ddp"
+    mixed_precision: Literal["no", "bf16"] = Field("bf16", description="bf16: autocast over fp32 master weights")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="fsdp (GPUs only, FSDP2 through accelerate) shards weights and optimizer state"
+    )
+    attention: Literal["auto", "flex", "sdpa", "eager"] = Field(
+        "auto", description="auto = compiled flex attention on GPU, sdpa with a dense mask on CPU"
+    )
+    compile: bool = Field(False, description="GPU: torch.compile the decoder layer (fuses norms, rope, activations)")
+    num_workers: int = Field(2, ge=0, description="data loader processes per rank (0 = in the training process)")
     checkpoint_every: int = Field(500, ge=1)
+    keep_checkpoints: int = Field(3, ge=1, description="older checkpoints are deleted once a newer one is complete")
     eval_every: int = Field(500, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0
@@ -159,21 +188,42 @@ class TrainConfig(Section):
     def _weights_match_steps(self) -> TrainConfig:
         if self.ttt_step_weights is not None and len(self.ttt_step_weights) != self.ttt_steps:
             raise ValueError(f"ttt_step_weights needs {self.ttt_steps} values (one per ttt step)")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError("warmup_steps must not exceed max_steps")
         return self
 
 
 # ------------------------------------------------------------------------------------ export, validate
+class TargetFacts(Section):
+    """The target's config.json values an export copies, for exports where the target folder is absent."""
+
+    vocab_size: int = Field(ge=1, description="the target's vocabulary: the draft config's vocab_size, t2d's length")
+    num_hidden_layers: int = Field(ge=1, description="target decoder layers: the default aux layer ids derive from it")
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+
 class ExportConfig(Section):
-    formats: list[Literal["reference", "speculators"]] = Field(["reference", "speculators"], min_length=1)
-    num_speculative_tokens: int = Field(3, ge=1, description="written into the speculators config")
+    formats: list[Literal["reference", "speculators"]] = Field(
+        ["reference", "speculators"], min_length=1,
+        description="reference = AQ-MedAI/SpecForge layout (midlayer.*); speculators = vllm-project/speculators config",
+    )
+    num_speculative_tokens: int = Field(3, ge=1, description="written into the speculators config and the model card")
+    target_facts: TargetFacts | None = Field(
+        None, description="null = read the target's config.json; set it to run `05_export.py --spec-only` where "
+        "the target is absent (when both exist they must agree)",
+    )
 
 
 class ValidateConfig(Section):
-    num_speculative_tokens: list[int] = Field([3], min_length=1)
+    num_speculative_tokens: list[int] = Field([3], min_length=1, description="one engine start per value")
     max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
     max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
     min_acceptance_ratio: float = Field(
         0.5, ge=0, le=1, description="flag a train/serve mismatch below this x eval step-0 accuracy"
+    )
+    compare_without_speculation: bool = Field(
+        True, description="also run the prompts without speculation and count identical greedy outputs (one more engine start)"
     )
 
 

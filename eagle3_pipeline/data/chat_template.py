@@ -1,0 +1,179 @@
+"""The target's chat template turned into token ids with an assistant-only loss mask.
+
+The mask is derived from the template's own renderings, never from a per-model pattern. For each assistant
+turn the conversation is rendered up to the turn with the generation prompt (what the target is given) and
+through the turn (what the template writes for it): the text between the two, cut after the template's
+end-of-turn token, is what the assistant produced (content, the reasoning the template keeps, the
+end-of-turn token); everything else (system, user and tool text, role headers, the generation prompt, the
+newline some templates add after the end-of-turn token) is masked out. Every rendering must extend the
+previous one; a template that rewrites earlier turns once later ones exist cannot be laid out as one
+sequence, and such a conversation is skipped ("template_inconsistent").
+
+The last assistant turn, when the target wrote it in this stage, is laid out as it was served: the
+generation prompt, then the target's raw completion (Kimi thinking mode: `reasoning</think>answer`), then
+the end-of-turn token if the target emitted it. Kimi-K2.5's template drops the reasoning of finished
+turns, so this is the only place where reasoning is trained; earlier turns follow the template (as the
+target sees them at serving time later in the chat).
+
+Text is tokenized segment by segment (header, answer, ...) without added special tokens, so a mask boundary
+is always a token boundary; the special tokens are checked to encode to single ids first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.data.conversations import InvalidConversation
+from eagle3_pipeline.stage_io import StageError
+
+REASONING_START, REASONING_END = "<think>", "</think>"  # Kimi's reasoning markers (also DeepSeek-R1's, Qwen3's)
+PROBE_USER, PROBE_ANSWER = "Ping?", "Pong."
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    trained: bool  # the assistant produced it: loss_mask 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    segments: list[Segment]
+    prompt_end: int  # segments[:prompt_end] is the prompt of the last assistant turn (generation prompt included)
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    """The target's tokenizer. A remote-code tokenizer (Kimi's TikTokenTokenizer) is loaded through its own
+    class: `AutoTokenizer` in recent transformers can fall back to a generic backend that splits <think>."""
+    from transformers import AutoTokenizer
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    config_file = model_dir / "tokenizer_config.json"
+    auto_map = json.loads(config_file.read_text()).get("auto_map", {}) if config_file.is_file() else {}
+    remote_class = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if trust_remote_code and remote_class:
+        class_ref = remote_class[0] if isinstance(remote_class, list) else remote_class
+        return get_class_from_dynamic_module(class_ref, str(model_dir)).from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+
+
+def special_tokens(tokenizer) -> dict[str, int]:
+    """Special token text -> id (the added tokens marked special, else the tokenizer's named specials)."""
+    added = {token.content: i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added or dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+
+
+def check_special_tokens(tokenizer) -> None:
+    """Every special token must encode to its own single id, or masks and templates silently break."""
+    broken = [f"{text!r} -> {ids}" for text, token_id in special_tokens(tokenizer).items()
+              if (ids := tokenizer.encode(text, add_special_tokens=False)) != [token_id]]
+    if broken:
+        raise StageError(
+            f"the target tokenizer splits special tokens ({', '.join(broken[:4])}{', ...' * (len(broken) > 4)}); "
+            "for a remote-code tokenizer set target.trust_remote_code: true"
+        )
+
+
+class ChatTemplate:
+    """Renders conversations with the target's template and lays them out as masked segments."""
+
+    def __init__(self, tokenizer, template_kwargs: dict[str, Any]):
+        check_special_tokens(tokenizer)
+        self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs
+        self.end_of_turn = self._probe_end_of_turn()
+        self.end_of_turn_id = special_tokens(tokenizer)[self.end_of_turn]
+        user = self.render([{"role": "user", "content": PROBE_USER}])
+        self.user_prefix = user[: user.index(PROBE_USER)]  # magpie: the target continues from here
+        # Kimi thinking mode: the generation prompt opens the reasoning, so a completion starts inside it
+        self.opens_reasoning = self.render([{"role": "user", "content": PROBE_USER}], True).endswith(REASONING_START)
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, model_dir: Path, thinking: bool) -> ChatTemplate:
+        template_kwargs = {"thinking": thinking, **target.chat_template_kwargs}
+        return cls(load_tokenizer(model_dir, target.trust_remote_code), template_kwargs)
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+            )
+        except TemplateError:  # the template's own check failed (e.g. roles must alternate)
+            raise InvalidConversation("template_error") from None
+
+    def _probe_end_of_turn(self) -> str:
+        """The first special token the template writes after an assistant turn's content."""
+        messages = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+        turn = self.render(messages)
+        after_answer = turn[turn.rindex(PROBE_ANSWER) + len(PROBE_ANSWER):]
+        specials = sorted(special_tokens(self.tokenizer), key=len, reverse=True)
+        found = re.search("|".join(map(re.escape, specials)), after_answer) if specials else None
+        if found is None:
+            raise StageError(f"the chat template writes no special token after an assistant turn ({after_answer!r})")
+        return found.group()
+
+    # -------------------------------------------------------------------------------------------- layout
+    def layout(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> Layout:
+        """Segments of `messages` (ending with an assistant turn, or with `generation_prompt` after any turn)."""
+        segments: list[Segment] = []
+        laid_out = ""  # the text the segments spell so far; every rendering must extend it
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for index in answers + ([len(messages)] if generation_prompt else []):
+            header = self.render(messages[:index], generation_prompt=True)
+            segments.append(Segment(self._extension(laid_out, header), trained=False))
+            prompt_end = len(segments)
+            if index == len(messages):
+                break
+            answer, trailing = self._answer(messages, index, header, served=index == answers[-1])
+            segments += [Segment(answer, trained=True), Segment(trailing, trained=False)]
+            laid_out = header + answer + trailing
+        return Layout(segments, prompt_end)
+
+    def _answer(self, messages: list[dict[str, Any]], index: int, header: str, served: bool) -> tuple[str, str]:
+        """The assistant-produced text of turn `index` (after `header`), and the template's text after it."""
+        message = messages[index]
+        if served and "completion" in message:
+            return message["completion"] + (self.end_of_turn if message["finished"] else ""), ""
+        turn = self._extension(header, self.render(messages[: index + 1]))
+        content = message["content"].strip()
+        after_content = turn.rfind(content) + len(content) if content and content in turn else 0
+        end = turn.find(self.end_of_turn, after_content)
+        cut = end + len(self.end_of_turn) if end >= 0 else len(turn)
+        return turn[:cut], turn[cut:]
+
+    @staticmethod
+    def _extension(prefix: str, text: str) -> str:
+        if not text.startswith(prefix):
+            raise InvalidConversation("template_inconsistent")
+        return text[len(prefix):]
+
+    # ------------------------------------------------------------------------------------------ tokens
+    def encode(self, segments: list[Segment]) -> tuple[list[list[int]], list[int]]:
+        """Token ids per segment, and the flat loss mask."""
+        ids = self.tokenizer([s.text for s in segments], add_special_tokens=False)["input_ids"]
+        mask = [int(s.trained) for s, segment_ids in zip(segments, ids) for _ in segment_ids]
+        return ids, mask
+
+    def user_prefix_ids(self) -> list[int]:
+        return self.encode([Segment(self.user_prefix, trained=False)])[0][0]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """What the target is given to write the next assistant turn after `messages`."""
+        ids, _ = self.encode(self.layout(messages, generation_prompt=True).segments)
+        return [token for segment in ids for token in segment]
+
+    def split_reasoning(self, completion: str) -> tuple[str, str]:
+        """(reasoning, answer) of a raw completion. Without `</think>` it is all reasoning when the generation
+        prompt opened the reasoning (a completion cut short while thinking), else all answer."""
+        reasoning, sep, answer = completion.partition(REASONING_END)
+        if sep:
+            return reasoning.removeprefix(REASONING_START).strip(), answer.strip()
+        return (completion.strip(), "") if self.opens_reasoning else ("", completion.strip())
+

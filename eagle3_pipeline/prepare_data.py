@@ -1,0 +1,126 @@
+"""Stage 01: conversations -> a templated, tokenized, assistant-only loss-masked dataset.
+
+Reads the sources in `data.sources` (training) and `data.eval_sources` (held-out prompts), lets the target
+write what it has to (magpie user turns, regenerated answers) in resumable chunks, applies the target's
+chat template and writes to `<run_dir>/01_data/`:
+
+    train/, eval/            Arrow datasets (save_to_disk): id, source, input_ids int32, loss_mask int8,
+                             seq_len int32; eval adds prompt_ids (the last turn's prompt, for stage 06)
+    token_freq.safetensors   counts int64 [target vocab]: loss-masked tokens of the train split (stage 03)
+    stats.json               samples per source and split, skips per reason (first ids), length histogram,
+                             loss-token fraction, generation figures
+    generated/               the target's turns, one file per finished chunk (what a rerun resumes from)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from eagle3_pipeline.config import DataConfig, RunConfig
+from eagle3_pipeline.data.chat_template import ChatTemplate
+from eagle3_pipeline.data.conversations import Conversation, Skips
+from eagle3_pipeline.data.generate import generate_turns
+from eagle3_pipeline.data.samples import to_rows
+from eagle3_pipeline.data.sources import load_conversations, source_labels
+from eagle3_pipeline.data.stats import generation_stats, split_stats, token_frequencies
+from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
+from eagle3_pipeline.stand_ins import target_path
+
+
+def run(config: RunConfig, force: bool = False) -> None:
+    stage = Stage(config, "01_data", force=force)
+    if stage.is_complete():
+        return
+    data = config.data
+    model_dir = target_path(config.target)
+    template = ChatTemplate.for_target(config.target, model_dir, thinking=data.regenerate.thinking)
+    skips = Skips()
+
+    # Sources are read before the stage begins, so a missing file leaves no partial work behind. Eval
+    # conversations are fixed before any generation: nothing of them can reach the train split.
+    with stage.timed("read"):
+        train, held_out = _read_sources(data, skips)
+    print(f"01_data: {len(train)} train and {len(held_out)} eval conversations read; skipped so far: "
+          f"{skips.summary() or 'none'}")
+    stage.begin()
+
+    with stage.timed("generate"):
+        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips)
+    eval_ids = {c.id for c in held_out}
+    train = [c for c in conversations if c.id not in eval_ids]
+    held_out = [c for c in conversations if c.id in eval_ids]
+
+    with stage.timed("tokenize"):
+        train_rows = to_rows(train, template, data, with_prompt=False, skips=skips, split="train")
+        eval_rows = to_rows(held_out, template, data, with_prompt=True, skips=skips, split="eval")
+    if not train_rows:
+        raise StageError(f"no valid training samples ({skips.summary() or 'the sources hold no records'})")
+    if not eval_rows:
+        print("warning: the eval split is empty (set data.eval_sources or data.eval_fraction): 06 has no prompts")
+
+    with stage.timed("write"):
+        _save_split(stage, "train", train_rows)
+        _save_split(stage, "eval", eval_rows)
+        _save_token_freq(stage, train_rows, _vocab_size(model_dir))
+        stats = {
+            "train": split_stats(train_rows, data.max_seq_len),
+            "eval": split_stats(eval_rows, data.max_seq_len),
+            "skipped": skips.as_dict(),
+            "generation": generation_stats(conversations),
+        }
+        write_json_atomic(stage.path("stats.json"), stats)
+    print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
+          f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "
+          f"skipped {sum(skips.counts.values())}")
+    stage.finish(counts={
+        "train_samples": len(train_rows), "eval_samples": len(eval_rows),
+        "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],
+        "skipped": sum(skips.counts.values()),
+    })
+
+
+def _read_sources(data: DataConfig, skips: Skips) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, eval) conversations: eval = the eval sources plus `eval_fraction` of the train sources."""
+    sources = [*data.sources, *data.eval_sources]
+    per_source = [load_conversations(s, label, skips) for s, label in zip(sources, source_labels(sources))]
+    train = [c for conversations in per_source[: len(data.sources)] for c in conversations]
+    held_out = [c for conversations in per_source[len(data.sources):] for c in conversations]
+    n_held_out = round(len(train) * data.eval_fraction) if data.eval_fraction else 0
+    if data.eval_fraction and train:
+        n_held_out = max(1, n_held_out)
+    chosen = set(random.Random(data.seed).sample(range(len(train)), n_held_out))
+    held_out += [c for i, c in enumerate(train) if i in chosen]
+    return [c for i, c in enumerate(train) if i not in chosen], held_out
+
+
+def _save_split(stage: Stage, split: str, rows: list[dict[str, Any]]) -> None:
+    import datasets
+
+    token_ids = datasets.List(datasets.Value("int32"))
+    features = {"id": datasets.Value("string"), "source": datasets.Value("string"), "input_ids": token_ids,
+                "loss_mask": datasets.List(datasets.Value("int8")), "seq_len": datasets.Value("int32")}
+    if split == "eval":
+        features["prompt_ids"] = token_ids
+    columns = {name: [row[name] for row in rows] for name in features}
+    dataset = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    with stage.atomic(split) as tmp:
+        dataset.save_to_disk(str(tmp))
+
+
+def _save_token_freq(stage: Stage, rows: list[dict[str, Any]], vocab_size: int) -> None:
+    from safetensors.numpy import save_file
+
+    counts = token_frequencies(rows, vocab_size)
+    if len(counts) != vocab_size:
+        raise StageError(f"the tokenizer produced token id {len(counts) - 1}, beyond the target's vocab ({vocab_size})")
+    with stage.atomic("token_freq.safetensors") as tmp:
+        save_file({"counts": counts}, str(tmp))
+
+
+def _vocab_size(model_dir: Path) -> int:
+    """The target's vocab size (Kimi keeps it in text_config)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("vocab_size") or config["text_config"]["vocab_size"]

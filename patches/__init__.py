@@ -1,0 +1,64 @@
+"""Compatibility patches: the pipeline on vLLM 0.16 (Kimi-K2.5 EAGLE-3 and capture), vLLM on CPU, speculators 0.9.
+
+Every patch is one module holding a `PATCH` ledger entry (why, how, upstream, when to remove) and the
+function that applies it; `patches.ledger.PATCH_MODULES` lists them in application order. Patches change
+vLLM only through its extension points: the `vllm.general_plugins` entry point `patches.plugin:register`
+(loaded by vLLM in every engine and worker process), `ModelRegistry.register_model` and
+`KVConnectorFactory.register_connector` for subclasses, and a wrapped config validator.
+
+- `python -m patches` lists every patch with its state here (applied, not needed, failed, disabled);
+  `-v` adds the ledger text.
+- `EAGLE3_PATCHES=off` switches them all off (they then report "disabled" where they would apply);
+  `EAGLE3_PATCHES_FORCE=name,...` applies the named ones whatever their version gate says.
+- `require_applied(name, ...)` is the check a stage calls before it relies on a patch: vLLM only logs a
+  plugin that fails to import and runs on without it.
+- `patches.capture_worker` is not a patch: it is the vLLM worker extension that stage 02 uses to capture
+  hidden states on any vLLM from 0.16 on.
+"""
+
+from __future__ import annotations
+
+import os
+
+from patches.ledger import all_patches, apply_package, outcome
+from patches.patch import APPLIED, NOT_NEEDED
+
+OFF_SWITCH = "EAGLE3_PATCHES"
+PLUGIN_NAME = "eagle3_pipeline_patches"  # the entry point's name, as VLLM_PLUGINS would list it
+
+
+class PatchError(RuntimeError):
+    """A patch that a stage relies on is not in effect in this process."""
+
+
+def enabled() -> bool:
+    return os.environ.get(OFF_SWITCH, "on").strip().lower() not in ("0", "off", "false", "no")
+
+
+def require_applied(*names: str) -> None:
+    """Raise `PatchError` unless every named patch is applied, or not needed, in this process.
+
+    A vLLM patch not yet tried here is loaded the way vLLM loads it (through its plugin loader), so this
+    also proves the entry point is installed and allowed by VLLM_PLUGINS. Other packages' patches are
+    applied on first request.
+    """
+    patches = {patch.name: patch for patch in all_patches()}
+    for name in names:
+        if name not in patches:
+            raise PatchError(f"unknown patch {name!r}; the ledger has: {', '.join(patches)}")
+        package = patches[name].package
+        if outcome(name) is None:
+            if package == "vllm":
+                from vllm.plugins import load_general_plugins
+
+                load_general_plugins()
+            else:
+                apply_package(package, enabled())
+        result = outcome(name)
+        if result is None:
+            raise PatchError(
+                f"patch {name}: vLLM did not load the plugin {PLUGIN_NAME!r}. Install the project "
+                f"(pip install -e .) in this environment and leave VLLM_PLUGINS unset (or include {PLUGIN_NAME})"
+            )
+        if result.state not in (APPLIED, NOT_NEEDED):
+            raise PatchError(f"patch {name} is {result.state}: {result.detail}")

@@ -1,0 +1,39 @@
+"""Fixtures of the patch tests: vLLM 0.16's source, an engine on a stand-in, errors against transformers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from tests.patches.vllm_source import Source, unpacked_vllm
+
+# Released vLLMs whose source the anchors are checked in (the patches' `versions`): 0.16.0 by default.
+VERSIONS = os.environ.get("EAGLE3_VLLM_SOURCE_VERSIONS", "0.16.0").split(",")
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def vllm_source(request) -> Source:
+    return Source(unpacked_vllm(request.param))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| over the whole tensor, in float32."""
+    expected = expected.float()
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+@contextlib.contextmanager
+def running_llm(model_dir, **settings):
+    """A small vLLM engine in this process, shut down on exit (one per test module: starts take ~30-60 s)."""
+    from vllm import LLM
+
+    # An explicit KV cache size also skips the CPU backend's check that most of the machine's memory is
+    # free, which fails on a shared machine.
+    llm = LLM(model=str(model_dir), seed=0, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20, **settings)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()

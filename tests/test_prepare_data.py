@@ -1,0 +1,203 @@
+"""Stage 01 through its command line: sources, bad input, errors, and (vLLM) interrupted regeneration."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from safetensors.numpy import load_file
+from transformers import AutoTokenizer
+
+from eagle3_pipeline import prepare_data
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.stand_ins import target_path
+from tests.conftest import CONFIGS, ROOT, run_python
+
+CONVERSATIONS = [
+    [("system", "Answer in one line."), ("user", "Capital of France?"), ("assistant", "Paris.")],
+    [("user", "Hi"), ("assistant", "Hello! How can I help?"), ("user", "Tell me a joke."),
+     ("assistant", "Why did the cat sit on the laptop? To keep an eye on the mouse.")],
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
+DEFECTS = {  # reason -> one record (or raw line) with exactly that defect
+    "malformed_json": '{"messages": [{"role": "user", "content": "cut',
+    "no_messages": {"text": "a plain document"},
+    "missing_role": {"messages": [{"content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]},
+    "unknown_role": {"messages": [{"role": "wizard", "content": "Hi"}, {"role": "assistant", "content": "Hi!"}]},
+    "empty_content": {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "Hi!"}]},
+    "non_string_content": {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "Hi!"}]},
+    "no_assistant_turn": {"messages": [{"role": "user", "content": "Anyone there?"}]},
+    "no_loss_tokens": {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "K"}]},
+}
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def as_messages(conversation) -> dict:
+    return {"messages": [{"role": role, "content": text} for role, text in conversation]}
+
+
+def as_sharegpt(conversation) -> dict:
+    return {"conversations": [{"from": SHAREGPT_ROLE[role], "value": text} for role, text in conversation]}
+
+
+def prepare(tmp_path: Path, *overrides: str, run: str = "run") -> subprocess.CompletedProcess:
+    """01_prepare_data.py on the demo config without generation, with `overrides`."""
+    return run_python("01_prepare_data.py", "--config", str(CONFIGS / "demo.yaml"),
+                      "--set", f"run_dir={tmp_path / run}", "--set", "data.regenerate.enabled=false",
+                      "--set", "data.eval_sources=[]", *overrides, timeout=300)
+
+
+def prepare_in_process(tmp_path: Path, sources: list[dict], run: str) -> list[dict]:
+    config = load_config(CONFIGS / "demo.yaml", [
+        f"run_dir={tmp_path / run}", f"data.sources={json.dumps(sources)}", "data.eval_sources=[]",
+        "data.regenerate.enabled=false"])
+    prepare_data.run(config)
+    return datasets.load_from_disk(str(tmp_path / run / "01_data" / "train")).to_list()
+
+
+def test_one_bad_record_of_each_kind_is_counted_and_the_good_rows_kept(tmp_path):
+    data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, *DEFECTS.values(), GOOD])
+    result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]", "--set", "data.max_seq_len=64")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "run" / "01_data"
+    stats = json.loads((out / "stats.json").read_text())
+    expected_ids = {reason: [f"mixed-{i + 1}"] for i, reason in enumerate(DEFECTS)}
+    assert stats["skipped"] == {reason: {"count": 1, "first_ids": ids} for reason, ids in expected_ids.items()}
+    train = datasets.load_from_disk(str(out / "train"))
+    assert train["id"] == ["mixed-0", f"mixed-{len(DEFECTS) + 1}"] and train["source"] == ["mixed", "mixed"]
+    assert train.features["input_ids"].feature.dtype == "int32" and train.features["loss_mask"].feature.dtype == "int8"
+    assert train["seq_len"] == [len(ids) for ids in train["input_ids"]]
+    counts = load_file(str(out / "token_freq.safetensors"))["counts"]
+    assert counts.dtype.name == "int64" and counts.shape == (49152,)
+    assert counts.sum() == sum(sum(mask) for mask in train["loss_mask"]) == stats["train"]["loss_tokens"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["train_samples"] == 2 and manifest["counts"]["skipped"] == len(DEFECTS)
+
+
+def test_overlong_samples_are_dropped_or_truncated_as_configured(tmp_path):
+    data = write_jsonl(tmp_path / "long.jsonl", [GOOD, as_messages(CONVERSATIONS[1])])
+    source = f"data.sources=[{{kind: file, name: {data}}}]"
+    dropped = prepare(tmp_path, "--set", source, "--set", "data.max_seq_len=40", "--set", "data.overlong=drop",
+                      run="drop")
+    assert dropped.returncode == 0, dropped.stderr
+    stats = json.loads((tmp_path / "drop" / "01_data" / "stats.json").read_text())
+    assert stats["skipped"] == {"overlong": {"count": 1, "first_ids": ["long-1"]}}
+    truncated = prepare(tmp_path, "--set", source, "--set", "data.max_seq_len=40", run="truncate")
+    assert truncated.returncode == 0, truncated.stderr
+    stats = json.loads((tmp_path / "truncate" / "01_data" / "stats.json").read_text())
+    assert stats["train"]["truncated"] == 1 and stats["train"]["samples"] == 2 and stats["skipped"] == {}
+    assert max(datasets.load_from_disk(str(tmp_path / "truncate" / "01_data" / "train"))["seq_len"]) == 40
+
+
+def test_no_valid_sample_exits_1_naming_the_reasons(tmp_path):
+    data = write_jsonl(tmp_path / "bad.jsonl", [DEFECTS["unknown_role"], DEFECTS["malformed_json"]])
+    result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: no valid training samples (malformed_json 1 (first: bad-1), unknown_role 1 (first: bad-0))")
+
+
+def test_missing_file_and_unknown_dataset_are_one_line_config_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dataset name that is not a local folder must not reach the hub
+    nope = tmp_path / "nope.jsonl"
+    missing = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {nope}}}]")
+    assert not (tmp_path / "run" / "01_data").exists()  # nothing begun: fixing the config needs no --force
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"config error: data source file '{nope}': no such file"]
+    unknown = prepare(tmp_path, "--set", f"data.sources=[{{kind: hf, name: {tmp_path / 'no_such_dataset'}}}]")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1
+    assert "data source hf" in unknown.stderr and "no_such_dataset" in unknown.stderr
+
+
+def test_sharegpt_and_messages_files_give_identical_rows(tmp_path):
+    sharegpt = write_jsonl(tmp_path / "sharegpt" / "chats.jsonl", [as_sharegpt(c) for c in CONVERSATIONS])
+    messages = write_jsonl(tmp_path / "messages" / "chats.jsonl", [as_messages(c) for c in CONVERSATIONS])
+    from_sharegpt = prepare_in_process(tmp_path, [{"kind": "file", "name": str(sharegpt), "schema": "sharegpt"}], "a")
+    from_messages = prepare_in_process(tmp_path, [{"kind": "file", "name": str(messages)}], "b")
+    assert len(from_sharegpt) == len(CONVERSATIONS) and from_sharegpt == from_messages
+
+
+def test_json_parquet_and_hf_dataset_folders_read_like_jsonl(tmp_path):
+    records = [as_messages(c) for c in CONVERSATIONS]
+    folder = tmp_path / "chats"  # every source is named "chats": same ids, so whole rows compare
+    write_jsonl(folder / "chats.jsonl", records)
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "chats.json").write_text(json.dumps(records))
+    (tmp_path / "parquet").mkdir()
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "parquet" / "chats.parquet"))
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved" / "chats"))
+    reference = prepare_in_process(tmp_path, [{"kind": "file", "name": str(folder / "chats.jsonl")}], "jsonl")
+    for name, source in {
+        "json": {"kind": "file", "name": str(tmp_path / "json" / "chats.json")},
+        "parquet": {"kind": "file", "name": str(tmp_path / "parquet" / "chats.parquet")},
+        "hf_files": {"kind": "hf", "name": str(folder)},  # datasets.load_dataset on a local folder
+        "hf_saved": {"kind": "hf", "name": str(tmp_path / "saved" / "chats")},  # a save_to_disk folder
+    }.items():
+        assert prepare_in_process(tmp_path, [source], name) == reference, name
+
+
+def test_sources_mix_with_limits_and_eval_fraction_holds_out(tmp_path):
+    data = write_jsonl(tmp_path / "many.jsonl", [as_messages(CONVERSATIONS[i % 2]) for i in range(10)])
+    result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}, limit: 6}}, "
+                     f"{{kind: file, name: {data}, limit: 2}}]", "--set", "data.eval_fraction=0.25")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "run" / "01_data"
+    train, held_out = (datasets.load_from_disk(str(out / split)) for split in ("train", "eval"))
+    assert len(train) + len(held_out) == 8 and len(held_out) == 2
+    assert not set(train["id"]) & set(held_out["id"])
+    assert set(train["id"]) | set(held_out["id"]) == {f"many-{i}" for i in range(6)} | {"many.2-0", "many.2-1"}
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path(load_config(CONFIGS / "demo.yaml").target)))
+    for row in held_out:  # the prompt: the conversation up to the last answer's generation prompt
+        prompt_len = len(row["prompt_ids"])
+        assert row["input_ids"][:prompt_len] == row["prompt_ids"]
+        assert tokenizer.decode(row["prompt_ids"]).endswith("<|im_start|>assistant\n")
+        assert row["loss_mask"][prompt_len - 1] == 0 and row["loss_mask"][prompt_len] == 1
+
+
+@pytest.mark.vllm
+def test_killed_regeneration_resumes_and_generates_every_sample_once(tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [as_messages([("user", q)]) for q in ("Name a fruit.", "Hi!")])
+    command = [sys.executable, "01_prepare_data.py", "--config", str(CONFIGS / "demo.yaml"),
+               "--set", f"run_dir={tmp_path / 'run'}",
+               "--set", "data.sources=[{kind: magpie, limit: 6, max_tokens: 24}]",
+               "--set", f"data.eval_sources=[{{kind: file, name: {prompts}}}]",
+               "--set", "data.regenerate.max_tokens=16", "--set", "data.regenerate.chunk_size=2"]
+    chunks = tmp_path / "run" / "01_data" / "generated"
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # its own process group: the kill takes vLLM's too
+    deadline = time.time() + 240
+    while not (chunks / "chunk-00000.jsonl").exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    kept = {path.name: (path.stat().st_mtime_ns, path.read_text()) for path in chunks.glob("chunk-*.jsonl")}
+    assert 1 <= len(kept) < 4, "the kill should land after the first chunk and before the last"
+
+    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert f"8 conversations in 4 chunks, {len(kept)} already done" in second.stdout
+    for name, (mtime, text) in kept.items():  # finished chunks were read, not generated again
+        assert (chunks / name).stat().st_mtime_ns == mtime and (chunks / name).read_text() == text
+    generated = [json.loads(line)["id"] for path in sorted(chunks.glob("chunk-*.jsonl"))
+                 for line in path.read_text().splitlines()]
+    assert sorted(generated) == sorted([f"magpie-{i}" for i in range(6)] + ["prompts-0", "prompts-1"])
+
+    out = tmp_path / "run" / "01_data"
+    stats = json.loads((out / "stats.json").read_text())
+    train, held_out = (datasets.load_from_disk(str(out / split)) for split in ("train", "eval"))
+    skipped = sum(reason["count"] for reason in stats["skipped"].values())
+    assert len(train) + len(held_out) + skipped == 8 and held_out["id"] == ["prompts-0", "prompts-1"]
+    assert stats["generation"]["answers_generated"] == 8 - stats["skipped"].get("empty_generation", {}).get("count", 0)
