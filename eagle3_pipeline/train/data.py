@@ -1,0 +1,148 @@
+"""Training rows: each sample shifted by one token, samples packed into rows of `train.packed_length`.
+
+A sample of T tokens x[0..T-1] with captured states h[0..T-1] gives T-1 rows (see draft_model.py):
+
+    row t:  input_ids x[t+1], aux h_aux[t], final h_final[t+1], loss_mask[t+1], position t, document d
+
+A pack concatenates whole samples (first fit, in a seeded random order) and pads the rest of the row
+(document -1, loss_mask 0). The run reads an endless stream of packs, epoch after epoch, each epoch packed
+and ordered with its own seed; optimizer step s consumes stream positions [s*G, (s+1)*G) for a global batch
+of G = processes x micro_batch_size x grad_accumulation packs, rank r the slice it owns. The stream depends
+only on the data and the config, so a resumed run continues exactly at `step * G`, and a 2-process run sees
+the same global batches as a 1-process run with twice the accumulation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle3_pipeline.hidden_states_store import open_reader
+from eagle3_pipeline.stage_io import StageError
+
+FIRST_FIT_WINDOW = 32  # a sample joins the first of the last 32 packs with room: bounded cost, little padding
+
+
+def plan_packs(rows_per_sample: np.ndarray, capacity: int, seed: list[int]) -> list[tuple[int, ...]]:
+    """Sample indices of each pack: first fit over a seeded random order, packs in a seeded random order."""
+    rng = np.random.default_rng(seed)
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for index in rng.permutation(len(rows_per_sample)):
+        rows = int(rows_per_sample[index])
+        if rows == 0:
+            continue
+        first = max(0, len(packs) - FIRST_FIT_WINDOW)
+        target = next((p for p in range(first, len(packs)) if room[p] >= rows), None)
+        if target is None:
+            packs.append([])
+            room.append(capacity)
+            target = len(packs) - 1
+        packs[target].append(int(index))
+        room[target] -= rows
+    order = rng.permutation(len(packs))
+    return [tuple(packs[p]) for p in order]
+
+
+class PackStream:
+    """The endless sequence of packs a run trains on: epoch e is packed with seed (seed, e)."""
+
+    def __init__(self, rows_per_sample: np.ndarray, capacity: int, seed: int):
+        self.rows_per_sample, self.capacity, self.seed = rows_per_sample, capacity, seed
+        self._epoch_sizes: list[int] = []  # packs per epoch, for the epochs planned so far
+        self._plans: dict[int, list[tuple[int, ...]]] = {}
+
+    def epoch(self, epoch: int) -> list[tuple[int, ...]]:
+        if epoch not in self._plans:
+            if len(self._plans) == 2:  # the stream is read in order: keep the current epoch and the next
+                del self._plans[min(self._plans)]
+            self._plans[epoch] = plan_packs(self.rows_per_sample, self.capacity, seed=[self.seed, epoch])
+        return self._plans[epoch]
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(epoch, index in that epoch) of a stream position."""
+        epoch = 0
+        while True:
+            if epoch == len(self._epoch_sizes):
+                self._epoch_sizes.append(len(self.epoch(epoch)))
+            if position < self._epoch_sizes[epoch]:
+                return epoch, position
+            position -= self._epoch_sizes[epoch]
+            epoch += 1
+
+    def pack(self, position: int) -> tuple[int, ...]:
+        epoch, index = self.locate(position)
+        return self.epoch(epoch)[index]
+
+
+class RankPacks(torch.utils.data.Sampler):
+    """The packs one rank trains on from `start_step` on, micro-batch after micro-batch, in step order."""
+
+    def __init__(self, stream: PackStream, start_step: int, max_steps: int, rank: int, world_size: int,
+                 packs_per_rank: int):
+        self.stream, self.start_step, self.max_steps = stream, start_step, max_steps
+        self.rank, self.world_size, self.packs_per_rank = rank, world_size, packs_per_rank
+
+    def __len__(self) -> int:
+        return (self.max_steps - self.start_step) * self.packs_per_rank
+
+    def __iter__(self):
+        global_batch = self.world_size * self.packs_per_rank
+        for step in range(self.start_step, self.max_steps):
+            first = step * global_batch + self.rank * self.packs_per_rank
+            for position in range(first, first + self.packs_per_rank):
+                yield self.stream.pack(position)
+
+
+def rank_share(packs: list[tuple[int, ...]], rank: int, world_size: int) -> list[tuple[int, ...]]:
+    """Every world_size-th pack from `rank`, padded with empty packs so that all ranks run as many."""
+    share = packs[rank::world_size]
+    return share + [()] * (-(-len(packs) // world_size) - len(share))
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """Builds one packed row from the sample indices of a pack (01 dataset + 02 hidden states)."""
+
+    def __init__(self, dataset, states_dir: Path, capacity: int, aux_width: int, hidden_size: int):
+        self.dataset, self.states_dir, self.capacity = dataset, states_dir, capacity
+        self.aux_width, self.hidden_size = aux_width, hidden_size
+        self._reader = None  # opened in the process that reads (data loader workers included)
+
+    def __getitem__(self, pack: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        if self._reader is None:
+            self._reader, _ = open_reader(self.states_dir)
+        rows = _empty_rows(self.capacity, self.aux_width, self.hidden_size)
+        offset = 0
+        for document, index in enumerate(pack):
+            ids, aux, final, mask = self._sample(index)
+            span = slice(offset, offset + len(ids) - 1)
+            rows["input_ids"][span] = ids[1:]
+            rows["aux"][span] = aux[:-1].flatten(1)
+            rows["final"][span] = final[1:]
+            rows["loss_mask"][span] = mask[1:]
+            rows["position_ids"][span] = torch.arange(len(ids) - 1)
+            rows["document_ids"][span] = document
+            offset = span.stop
+        return rows
+
+    def _sample(self, index: int):
+        sample = self.dataset[index]
+        ids = torch.tensor(sample["input_ids"], dtype=torch.long)
+        aux, final = self._reader.get(sample["id"])
+        if aux.shape[0] != len(ids):
+            raise StageError(f"sample {sample['id']}: {len(ids)} tokens in 01_data but {aux.shape[0]} captured "
+                             "states in 02_hidden_states; rerun 02 with --force")
+        return ids, aux, final, torch.tensor(sample["loss_mask"], dtype=torch.bool)
+
+
+def _empty_rows(length: int, aux_width: int, hidden: int) -> dict[str, torch.Tensor]:
+    return {
+        "aux": torch.zeros(length, aux_width, dtype=torch.bfloat16),
+        "final": torch.zeros(length, hidden, dtype=torch.bfloat16),
+        "input_ids": torch.zeros(length, dtype=torch.long),
+        "position_ids": torch.zeros(length, dtype=torch.long),
+        "document_ids": torch.full((length,), -1, dtype=torch.long),
+        "loss_mask": torch.zeros(length, dtype=torch.bool),
+    }

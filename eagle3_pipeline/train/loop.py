@@ -1,0 +1,305 @@
+"""Stage 04: train the draft on the captured hidden states with training-time test; `run` reads top to bottom.
+
+Reads 01_data (token ids, loss masks), 02_hidden_states (aux and final states), 03_vocab (d2t, t2d) and three
+tensors of the target checkpoint (verifier.py). Writes 04_train/: checkpoints/step_N/ (checkpoint.py),
+metrics.jsonl, tensorboard/, curves.png (metrics.py), and manifest.json, whose counts hold the final eval
+accuracy per TTT step (`eval_accuracy`, a list; stage 06 compares vLLM's acceptance with its first entry).
+
+One process per device under `accelerate launch` (or torchrun on CPU); every process runs this same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, set_seed
+from tqdm import tqdm
+
+from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.hidden_states_store import open_reader
+from eagle3_pipeline.stage_io import Stage, StageError
+from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.train.attention import resolve_attention
+from eagle3_pipeline.train.checkpoint import load_checkpoint, save_checkpoint, step_dirs
+from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, plan_packs, rank_share
+from eagle3_pipeline.train.draft_model import build_draft, compile_layers, load_frozen_and_vocab
+from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
+from eagle3_pipeline.train.metrics import MetricsLog, summarize
+from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
+from eagle3_pipeline.train.verifier import load_verifier_weights
+from eagle3_pipeline.vocab import load_draft_vocab
+
+
+def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_step: int | None = None) -> None:
+    train = config.train
+    accelerator = make_accelerator(train)
+    stage = Stage(config, "04_train", force=force)
+    if stage.is_complete():
+        return
+    begin(stage, accelerator)
+    set_seed(train.seed)  # identical initial weights on every process
+
+    inputs = read_inputs(stage, config)
+    model = build_model(config, inputs, resolve_attention_or_fail(train.attention, accelerator.device))
+    if train.compile and accelerator.device.type == "cuda":
+        compile_layers(model)
+    optimizer = make_optimizer(model.to(accelerator.device), train)
+    scheduler = lr_schedule(optimizer, train)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
+    start_step = restore(stage, resume, model, optimizer, scheduler, accelerator, packs_per_step)
+    if stop_at_step is not None and not start_step < stop_at_step <= train.max_steps:
+        raise StageError(f"--stop-at-step {stop_at_step}: must lie after step {start_step} (where this launch "
+                         f"starts) and at most train.max_steps {train.max_steps}")
+    train_batches = iter(train_loader(inputs, train, start_step, accelerator))
+    describe(config, inputs, model, accelerator, packs_per_step, start_step)
+
+    log = MetricsLog(stage.dir, start_step, accelerator.is_main_process)
+    meter = Throughput(config, inputs.num_aux, accelerator)
+    step_weights = train.ttt_step_weights or [1.0] * train.ttt_steps
+    float_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else torch.float32
+    progress = tqdm(total=train.max_steps, initial=start_step, disable=not accelerator.is_main_process,
+                    desc="04_train", dynamic_ncols=True)
+    eval_values = None
+    for step in range(start_step + 1, train.max_steps + 1):  # step = optimizer steps done after this one
+        packs = [next(train_batches) for _ in range(train.grad_accumulation)]
+        meter.count(packs)  # on the host copies: no device synchronisation
+        micro_batches = [to_device(batch, accelerator.device, float_dtype) for batch in packs]
+        stats, grad_norm = train_step(model, optimizer, scheduler, micro_batches, accelerator,
+                                      train.ttt_steps, step_weights, train.grad_clip)
+        meter.add(stats)
+        progress.update()
+        if step % train.log_every == 0 or step == train.max_steps:
+            values = meter.report(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
+            log.log(step, "train", values)
+            progress.set_postfix(loss=f"{values['loss_0']:.3f}", acc0=f"{values['acc_0']:.3f}",
+                                 tok_s=f"{values['tokens_per_s']:.0f}")
+        if inputs.eval_rows is not None and (step % train.eval_every == 0 or step == train.max_steps):
+            eval_values = evaluate(model, inputs, train, accelerator, step_weights, float_dtype)
+            log.log(step, "eval", eval_values)
+        if step % train.checkpoint_every == 0 or step in (train.max_steps, stop_at_step):
+            save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator,
+                            packs_per_step, train.keep_checkpoints)
+        if step == stop_at_step and step < train.max_steps:
+            progress.close()
+            log.close()
+            print(f"04_train: stopped at step {step} (--stop-at-step); rerun with --resume to continue")
+            return
+    progress.close()
+    if eval_values is None and inputs.eval_rows is not None:  # resumed at the last step: nothing was left
+        eval_values = evaluate(model, inputs, train, accelerator, step_weights, float_dtype)
+
+    log.plot(stage.path("curves.png"), train.ttt_steps)
+    log.close()
+    if accelerator.is_main_process:
+        stage.finish(counts=final_counts(eval_values, meter, train), extra={
+            "final_checkpoint": f"checkpoints/step_{train.max_steps}",
+            "aux_layer_ids": inputs.layout["aux_layer_ids"],
+        })
+    accelerator.wait_for_everyone()
+
+
+# ------------------------------------------------------------------------------------------------- setup
+def make_accelerator(train) -> Accelerator:
+    """DDP (or FSDP) over the launched processes; bf16 autocast over fp32 master weights when asked."""
+    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True) \
+        if train.distributed == "fsdp" else None
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=train.mixed_precision,
+        fsdp_plugin=fsdp,
+        # d2t/t2d never change: skip DDP's per-forward buffer broadcast (it would also deadlock
+        # evaluation when processes run different numbers of batches)
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+    )
+
+
+def begin(stage: Stage, accelerator: Accelerator) -> None:
+    """Input checks on every process; the main process prepares the folder (or keeps partial work)."""
+    if accelerator.is_main_process:
+        stage.begin()
+    else:
+        stage.check_inputs()
+    accelerator.wait_for_everyone()
+
+
+def resolve_attention_or_fail(choice: str, device: torch.device) -> str:
+    if choice == "flex" and device.type != "cuda":
+        raise ConfigError("train.attention: flex needs a GPU (it has no CPU backward); use auto or sdpa")
+    return resolve_attention(choice, device)
+
+
+@dataclass
+class Inputs:
+    train_rows: PackedRows
+    eval_rows: PackedRows | None
+    train_stream: PackStream
+    eval_packs: list[tuple[int, ...]]
+    layout: dict
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.layout["aux_layer_ids"])
+
+
+def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
+    """Open 01, 02 and 03 and check that they fit together and the config."""
+    data_dir, states_dir = stage.input_dir("01_data"), stage.input_dir("02_hidden_states")
+    splits = {name: datasets.load_from_disk(str(data_dir / name))
+              for name in ("train", "eval") if (data_dir / name).is_dir()}
+    reader, layout = open_reader(states_dir)
+    if layout["hidden_size"] != config.draft.hidden_size:
+        raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
+                          f"{layout['hidden_size']} (02_hidden_states): EAGLE-3 needs them equal")
+    rows = {name: np.asarray(split["seq_len"], dtype=np.int64) - 1 for name, split in splits.items()}
+    _check_fits(splits, rows, reader, config.train.packed_length)
+    d2t, t2d = load_draft_vocab(stage.input_dir("03_vocab"))
+
+    shape = {"capacity": config.train.packed_length, "hidden_size": layout["hidden_size"],
+             "aux_width": len(layout["aux_layer_ids"]) * layout["hidden_size"]}
+    has_eval = "eval" in splits and len(splits["eval"]) > 0
+    return Inputs(
+        train_rows=PackedRows(splits["train"], states_dir, **shape),
+        eval_rows=PackedRows(splits["eval"], states_dir, **shape) if has_eval else None,
+        train_stream=PackStream(rows["train"], config.train.packed_length, config.train.seed),
+        eval_packs=plan_packs(rows["eval"], config.train.packed_length, seed=[config.train.seed]) if has_eval else [],
+        layout=layout, d2t=d2t, t2d=t2d,
+    )
+
+
+def _check_fits(splits: dict, rows: dict, reader, packed_length: int) -> None:
+    longest = max(int(r.max(initial=0)) for r in rows.values())
+    if longest > packed_length:
+        raise ConfigError(f"train.packed_length {packed_length} is shorter than the longest sample "
+                          f"({longest} rows = seq_len - 1): raise it or lower data.max_seq_len")
+    missing = [i for split in splits.values() for i in split["id"] if i not in reader]
+    if missing:
+        raise StageError(f"02_hidden_states lacks {len(missing)} samples of 01_data (e.g. {missing[0]}): "
+                         "finish 02_generate_hidden_states.py")
+
+
+def build_model(config: RunConfig, inputs: Inputs, attention: str):
+    """The draft, with the target's three tensors read into it (and not kept beyond)."""
+    verifier = load_verifier_weights(target_path(config.target), config.target.weight_prefix)
+    if verifier.embed_tokens.shape[0] != inputs.t2d.numel():
+        raise StageError(f"03_vocab maps a vocabulary of {inputs.t2d.numel()} tokens, the target has "
+                         f"{verifier.embed_tokens.shape[0]}: rerun 03_build_vocab_map.py --force")
+    model = build_draft(config.draft, inputs.layout["aux_layer_ids"], inputs.t2d.numel(), attention)
+    load_frozen_and_vocab(model, verifier, inputs.d2t, inputs.t2d)
+    return model
+
+
+def restore(stage, resume: bool, model, optimizer, scheduler, accelerator, packs_per_step: int) -> int:
+    """The step to start from: 0, or the last checkpoint's when resuming."""
+    found = step_dirs(stage.path("checkpoints"))
+    if found and not resume:
+        raise StageError(f"{stage.dir} holds checkpoints up to {found[-1].name} of an unfinished run: "
+                         "add --resume to continue it, or --force to start over")
+    if not found:
+        if resume:
+            print("04_train: no checkpoint to resume from; starting at step 0")
+        return 0
+    step = load_checkpoint(found[-1], model, optimizer, scheduler, accelerator, packs_per_step)
+    print(f"04_train: resumed from {found[-1]} (model, optimizer, schedule, RNG, data position)")
+    return step
+
+
+def train_loader(inputs: Inputs, train, start_step: int, accelerator) -> torch.utils.data.DataLoader:
+    packs_per_rank = train.micro_batch_size * train.grad_accumulation
+    sampler = RankPacks(inputs.train_stream, start_step, train.max_steps, accelerator.process_index,
+                        accelerator.num_processes, packs_per_rank)
+    return _loader(inputs.train_rows, sampler, train, accelerator)
+
+
+def _loader(rows: PackedRows, sampler, train, accelerator) -> torch.utils.data.DataLoader:
+    workers = train.num_workers
+    return torch.utils.data.DataLoader(
+        rows, sampler=sampler, batch_size=train.micro_batch_size, num_workers=workers,
+        pin_memory=accelerator.device.type == "cuda", prefetch_factor=4 if workers else None,
+    )
+
+
+def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_step: int, start_step: int) -> None:
+    """Print the derived figures before the first step (nanoGPT style)."""
+    if not accelerator.is_main_process:
+        return
+    train, stream = config.train, inputs.train_stream
+    epoch_packs = len(stream.epoch(0))
+    rows = int(stream.rows_per_sample.sum())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    per_token = train_flops(config.draft, inputs.num_aux, train.ttt_steps, 1, 0)
+    print(f"04_train: {len(stream.rows_per_sample)} train samples, {rows} rows, {epoch_packs} packs of "
+          f"{train.packed_length} ({rows / (epoch_packs * train.packed_length):.1%} filled); "
+          f"{len(inputs.eval_packs)} eval packs")
+    mode = f" ({accelerator.distributed_type.value})" if accelerator.num_processes > 1 else ""
+    print(f"04_train: {accelerator.num_processes} process(es) on {accelerator.device.type}{mode}, global batch "
+          f"{packs_per_step} packs ({packs_per_step * train.packed_length} rows) per step; {train.max_steps} steps "
+          f"= {train.max_steps * packs_per_step / epoch_packs:.2f} epochs; starting at step {start_step}")
+    print(f"04_train: draft {trainable / 1e6:.1f} M trainable + {frozen / 1e6:.1f} M frozen parameters, "
+          f"{per_token / 1e9:.2f} GFLOP per token at {train.ttt_steps} TTT steps (+ attention), "
+          f"precision {train.mixed_precision}")
+
+
+# ----------------------------------------------------------------------------------------- measurement
+class Throughput:
+    """Per-step statistics and tokens between two log points, summed over processes when reported."""
+
+    def __init__(self, config: RunConfig, num_aux: int, accelerator):
+        self.config, self.num_aux, self.accelerator = config, num_aux, accelerator
+        self.peak = peak_flops(accelerator.device)
+        self.total_tokens = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.stats, self.tokens, self.keys, self.since = 0, 0, 0, time.perf_counter()
+
+    def count(self, batches: list[dict]) -> None:
+        for batch in batches:
+            self.tokens += int((batch["document_ids"] >= 0).sum())
+            self.keys += attended_keys(batch["document_ids"], self.config.train.ttt_steps)
+
+    def add(self, stats: torch.Tensor) -> None:
+        self.stats = self.stats + stats
+
+    def report(self, **extra: float) -> dict[str, float]:
+        reduce = self.accelerator.reduce
+        stats = reduce(self.stats, "sum")
+        counts = reduce(torch.tensor([self.tokens, self.keys], dtype=torch.float64, device=stats.device), "sum")
+        seconds = time.perf_counter() - self.since
+        tokens, keys = int(counts[0]), int(counts[1])
+        self.total_tokens += tokens
+        values = {**summarize(stats), **extra, "tokens_per_s": tokens / seconds}
+        if self.peak:
+            flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys)
+            values["mfu"] = flops / seconds / (self.peak * self.accelerator.num_processes)
+        self._reset()
+        return values
+
+
+@torch.no_grad()
+def evaluate(model, inputs: Inputs, train, accelerator, step_weights, float_dtype) -> dict[str, float]:
+    """Loss and accuracy per TTT step over the whole eval split (each process a share)."""
+    packs = rank_share(inputs.eval_packs, accelerator.process_index, accelerator.num_processes)
+    stats = torch.zeros(3, train.ttt_steps, device=accelerator.device)
+    for batch in _loader(inputs.eval_rows, packs, train, accelerator):
+        batch = to_device(batch, accelerator.device, float_dtype)
+        stats += model(**batch, ttt_steps=train.ttt_steps, step_weights=step_weights)[1]
+    return summarize(accelerator.reduce(stats, "sum"))
+
+
+def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:
+    steps = range(train.ttt_steps)
+    return {
+        "steps": train.max_steps,
+        "train_tokens_this_launch": meter.total_tokens,
+        "eval_accuracy": [round(eval_values[f"acc_{k}"], 6) for k in steps] if eval_values else None,
+        "eval_loss": [round(eval_values[f"loss_{k}"], 6) for k in steps] if eval_values else None,
+    }

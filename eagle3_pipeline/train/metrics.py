@@ -1,0 +1,96 @@
+"""Training metrics: per TTT step loss and top-1 accuracy, on train and eval; written three ways.
+
+    metrics.jsonl   one JSON record per log or eval point: {"step", "split", "loss_0", "acc_0", ..., "lr", ...}
+    tensorboard/    the same scalars (`tensorboard --logdir <run_dir>/04_train/tensorboard`)
+    curves.png      loss and accuracy per TTT step against the optimizer step, drawn at the end
+
+Accuracy at step k: the draft's top-1 equals the verifier's top-1 (both over the draft vocab) at the rows
+counted at step k, with the true tokens before it (teacher forcing): the chance that the draft's (k+1)-th
+token is accepted given that the ones before it were.
+
+A resumed run first drops records past its checkpoint, so the files read as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle3_pipeline.stage_io import atomic_path
+from eagle3_pipeline.train.draft_model import STATS
+
+
+def summarize(stats: torch.Tensor) -> dict[str, float]:
+    """Per TTT step mean loss and accuracy from summed statistics [len(STATS), ttt_steps]."""
+    kl_sum, correct, count = (stats[STATS.index(name)].double().cpu() for name in STATS)
+    count = count.clamp(min=1)
+    values = {}
+    for step in range(stats.shape[1]):
+        values[f"loss_{step}"] = float(kl_sum[step] / count[step])
+        values[f"acc_{step}"] = float(correct[step] / count[step])
+    return values
+
+
+class MetricsLog:
+    """Writes metrics on the main process; the other processes hold a disabled log."""
+
+    def __init__(self, folder: Path, resume_step: int, enabled: bool):
+        self.path = folder / "metrics.jsonl"
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.records = [r for r in self._read() if r["step"] <= resume_step]
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        # purge_step hides TensorBoard events a killed run wrote past the checkpoint we resume from
+        self.writer = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_step + 1)
+
+    def _read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def log(self, step: int, split: str, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, **values}
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for name, value in values.items():
+            self.writer.add_scalar(f"{split}/{name}", value, step)
+
+    def plot(self, path: Path, ttt_steps: int) -> None:
+        """curves.png: loss and accuracy per TTT step, train lines and eval points."""
+        if not self.enabled:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on training nodes
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, metric in zip(axes, ("loss", "acc")):
+            for k in range(ttt_steps):
+                color = f"C{k}"
+                for split, style in (("train", "-"), ("eval", "o--")):
+                    points = [(r["step"], r[f"{metric}_{k}"]) for r in self.records if r["split"] == split]
+                    if points:
+                        ax.plot(*zip(*points), style, color=color, label=f"{split} step {k}", alpha=0.9)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("forward KL to the verifier" if metric == "loss" else "top-1 accuracy")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

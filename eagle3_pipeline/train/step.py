@@ -1,0 +1,62 @@
+"""One optimizer step of the draft, with the optimizer and schedule it uses (04_train and the benchmark).
+
+The loss of a step is the mean over its micro-batches of each packed row's TTT loss (draft_model.py): each
+micro-batch's loss is divided by the accumulation count, and DDP averages gradients over processes, so
+P processes x A micro-batches give the same step as 1 process x P*A micro-batches on the same packs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+FLOAT_INPUTS = ("aux", "final")
+
+
+def make_optimizer(model: torch.nn.Module, train) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norm scales (1-D) are not decayed (`train` is a TrainConfig)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    fused = next(model.parameters()).is_cuda  # one kernel for all parameters on GPU
+    return torch.optim.AdamW(groups, lr=train.learning_rate, betas=tuple(train.adam_betas), fused=fused)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, train) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the peak, then cosine decay to min_lr_ratio x peak at max_steps."""
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+        return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, float_dtype: torch.dtype) -> dict:
+    """Move a collated batch; hidden states in `float_dtype` (fp32 without autocast, bf16 storage with it)."""
+    return {name: t.to(device, dtype=float_dtype if name in FLOAT_INPUTS else None, non_blocking=True)
+            for name, t in batch.items()}
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], accelerator, ttt_steps: int,
+               step_weights: list[float], grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward every micro-batch, clip, step. Returns (per-step stats summed, gradient norm)."""
+    optimizer.zero_grad(set_to_none=True)
+    stats = 0
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        # Gradients are all-reduced once per step, on the last micro-batch.
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            loss, batch_stats = model(**batch, ttt_steps=ttt_steps, step_weights=step_weights)
+            accelerator.backward(loss / len(micro_batches))
+        stats = stats + batch_stats.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return stats, grad_norm

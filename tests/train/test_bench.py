@@ -1,0 +1,30 @@
+"""The throughput benchmark runs tiny on CPU, both models, and writes its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", "--tiny", "--packed-length", "128", "--warmup", "1",
+                                      "--steps", "1", "--out", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"ours", "speculators"}
+    for run in result["runs"].values():
+        assert run["tokens_per_s"] > 0 and run["gflop_per_token"] > 0
+    # ours trains lm_head (2048 x 256), speculators' trainer leaves it frozen
+    assert result["runs"]["ours"]["trainable_parameters"] - result["runs"]["speculators"]["trainable_parameters"] \
+        == 2048 * 256
+    assert "tokens/s" in capsys.readouterr().out

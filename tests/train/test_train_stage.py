@@ -1,0 +1,107 @@
+"""Stage 04 end to end: exact resume, 2 processes = 1 process, and a demo draft that learns a real target."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from eagle3_pipeline import vocab
+from eagle3_pipeline.config import parse_config
+from eagle3_pipeline.stage_io import StageError, read_manifest
+from eagle3_pipeline.train import loop
+from tests.conftest import CONFIGS, ROOT
+from tests.train.fabricate import (
+    SMOLLM2_AUX_LAYER_IDS,
+    smollm2_humaneval_inputs,
+    tiny_run,
+    write_data_stage,
+    write_states_stage,
+)
+
+LEARNED = ("loss_0", "acc_0", "loss_1", "acc_1", "loss_2", "acc_2")
+
+
+def records(run_dir, split="train") -> dict[int, dict]:
+    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
+
+
+@pytest.mark.slow
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
+    straight, _ = tiny_run(tmp_path, "straight")
+    loop.run(straight)
+    resumed, _ = tiny_run(tmp_path, "resumed")
+    loop.run(resumed, stop_at_step=4)
+    train_dir = resumed.run_dir / "04_train"
+    assert read_manifest(train_dir) is None and (train_dir / "checkpoints" / "step_4").is_dir()
+    assert sorted(p.name for p in (train_dir / "checkpoints").iterdir()) == ["step_3", "step_4"]
+    with pytest.raises(StageError, match="holds checkpoints up to step_4 .* add --resume .* or --force"):
+        loop.run(resumed)
+
+    loop.run(resumed, resume=True)
+    assert "resumed from" in capsys.readouterr().out
+    want, got = records(straight.run_dir), records(resumed.run_dir)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:  # bit for bit: model, optimizer, schedule and data position were all restored
+        assert {k: got[step][k] for k in (*LEARNED, "lr", "grad_norm")} == \
+               {k: want[step][k] for k in (*LEARNED, "lr", "grad_norm")}, step
+    final = "04_train/checkpoints/step_6/model.safetensors"
+    a, b = load_file(str(straight.run_dir / final)), load_file(str(resumed.run_dir / final))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert read_manifest(train_dir)["counts"]["eval_accuracy"] == read_manifest(
+        straight.run_dir / "04_train")["counts"]["eval_accuracy"]
+
+    loop.run(resumed, resume=True)  # finished: a no-op
+    assert "already complete" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_one_process_curve(tmp_path):
+    one, _ = tiny_run(tmp_path, "one", grad_accumulation=2)
+    loop.run(one)
+    two, two_yaml = tiny_run(tmp_path, "two", grad_accumulation=1)  # same global batch: 2 x 1 x 1
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "04_train.py", "--config", str(two_yaml)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout
+    for split in ("train", "eval"):
+        want, got = records(one.run_dir, split), records(two.run_dir, split)
+        assert sorted(got) == sorted(want)
+        for step in want:
+            for key in LEARNED:
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (split, step, key)
+
+
+@pytest.mark.slow
+def test_demo_draft_learns_the_smollm2_target(tmp_path, smollm2_dir):
+    """The demo's draft on real SmolLM2 hidden states (HumanEval chats): eval accuracy far above chance."""
+    samples, states = smollm2_humaneval_inputs(smollm2_dir, 48)
+    tree = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+    tree["run_dir"] = str(tmp_path / "run")
+    # 40 chats of ~187 tokens fill 15 packs of 512 rows: 24 steps are 1.6 epochs, about a minute here
+    tree["train"] |= {"max_steps": 24, "packed_length": 512, "warmup_steps": 3, "eval_every": 12,
+                      "checkpoint_every": 12, "log_every": 4}
+    config = parse_config(tree, "demo.yaml")
+    write_data_stage(config, samples[:40], samples[40:], vocab=49152)
+    write_states_stage(config, states, SMOLLM2_AUX_LAYER_IDS)
+    vocab.run(config)
+    loop.run(config)
+
+    train_dir = tmp_path / "run" / "04_train"
+    manifest = read_manifest(train_dir)
+    accuracy = manifest["counts"]["eval_accuracy"]
+    print(f"demo eval accuracy per TTT step: {accuracy} (chance {1 / config.draft.draft_vocab_size:.5f})")
+    assert accuracy[0] > 0.1 and min(accuracy) > 100 / config.draft.draft_vocab_size
+    assert (train_dir / "curves.png").stat().st_size > 10_000 and any((train_dir / "tensorboard").iterdir())
+    assert manifest["final_checkpoint"] == "checkpoints/step_24"
+    assert (train_dir / manifest["final_checkpoint"] / "model.safetensors").is_file()
