@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from eagle3_pipeline.config import ConfigError, load_config
-from tests.conftest import CONFIGS, ROOT, run_python
+from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
+from tests.conftest import CONFIGS, run_python
 
 SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
 
@@ -21,7 +22,7 @@ def test_every_shipped_config_validates():
 
 
 def test_kimi_draft_is_the_reference_shape():
-    reference = json.loads((ROOT.parent / "shared" / "reference" / "aq_medai_kimi_k25_eagle3.json").read_text())
+    reference = json.loads(REFERENCE_DRAFT_SPEC.read_text())
     ref = reference["config"]
     config = load_config(CONFIGS / "kimi_k25.yaml")
     draft = config.draft

@@ -179,7 +179,7 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference_state_dict(draft_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> the reference export's (shared/reference/aq_medai_kimi_k25_eagle3.json).
+    """Our names -> the reference export's (eagle3_pipeline/reference/aq_medai_kimi_k25_eagle3.json).
 
         layers.0.<rest>                               -> midlayer.<rest>
         fc.weight, norm.weight, lm_head.weight, d2t, t2d -> unchanged

@@ -10,12 +10,13 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.draft_model import build_draft, load_frozen_and_vocab, reference_state_dict
 from eagle3_pipeline.train.verifier import VerifierWeights
-from tests.conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS
 
-REFERENCE = json.loads((ROOT.parent / "shared" / "reference" / "aq_medai_kimi_k25_eagle3.json").read_text())
+REFERENCE = json.loads(REFERENCE_DRAFT_SPEC.read_text())
 
 
 def test_kimi_draft_has_exactly_the_reference_tensors():
