@@ -71,6 +71,8 @@ class SourceConfig(Section):
         "auto", alias="schema", description="sharegpt: conversations of from/value; messages: role/content"
     )
     limit: int | None = Field(None, ge=1, description="take at most this many records (magpie: conversations made)")
+    skip: int = Field(0, ge=0, description="records passed over before reading: disjoint slices of one source "
+                      "for training and eval")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="magpie: sampling temperature of the user turn")
     max_tokens: int = Field(128, ge=1, description="magpie: longest user turn in tokens")
 
@@ -80,6 +82,8 @@ class SourceConfig(Section):
             raise ValueError(f"a {self.kind} source needs `name`")
         if self.kind == "magpie" and self.limit is None:
             raise ValueError("a magpie source needs `limit` (how many conversations to synthesise)")
+        if self.kind == "magpie" and self.skip:
+            raise ValueError("a magpie source has no records to skip")
         return self
 
 

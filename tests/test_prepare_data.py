@@ -152,13 +152,13 @@ def test_json_parquet_and_hf_dataset_folders_read_like_jsonl(tmp_path):
 def test_sources_mix_with_limits_and_eval_fraction_holds_out(tmp_path):
     data = write_jsonl(tmp_path / "many.jsonl", [as_messages(CONVERSATIONS[i % 2]) for i in range(10)])
     result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}, limit: 6}}, "
-                     f"{{kind: file, name: {data}, limit: 2}}]", "--set", "data.eval_fraction=0.25")
+                     f"{{kind: file, name: {data}, skip: 7, limit: 2}}]", "--set", "data.eval_fraction=0.25")
     assert result.returncode == 0, result.stderr
     out = tmp_path / "run" / "01_data"
     train, held_out = (datasets.load_from_disk(str(out / split)) for split in ("train", "eval"))
     assert len(train) + len(held_out) == 8 and len(held_out) == 2
     assert not set(train["id"]) & set(held_out["id"])
-    assert set(train["id"]) | set(held_out["id"]) == {f"many-{i}" for i in range(6)} | {"many.2-0", "many.2-1"}
+    assert set(train["id"]) | set(held_out["id"]) == {f"many-{i}" for i in range(6)} | {"many.2-7", "many.2-8"}
     tokenizer = AutoTokenizer.from_pretrained(str(target_path(load_config(CONFIGS / "demo.yaml").target)))
     for row in held_out:  # the prompt: the conversation up to the last answer's generation prompt
         prompt_len = len(row["prompt_ids"])

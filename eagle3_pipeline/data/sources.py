@@ -44,11 +44,12 @@ def _short_name(name: str) -> str:
 
 
 def load_conversations(source: SourceConfig, label: str, skips: Skips) -> list[Conversation]:
-    """The valid conversations of one source (at most `limit` records read); invalid ones go to `skips`."""
+    """The valid conversations of one source (at most `limit` records read after `skip`); invalid ones go to `skips`."""
     if source.kind == "magpie":  # empty conversations: the target writes both turns in the generation step
         return [Conversation(f"{label}-{i}", label, [], magpie=source) for i in range(source.limit)]
     conversations = []
-    for index, record in enumerate(islice(_records(source), source.limit)):
+    stop = None if source.limit is None else source.skip + source.limit
+    for index, record in enumerate(islice(_records(source), source.skip, stop), start=source.skip):
         conversation_id = f"{label}-{index}"
         try:
             conversations.append(Conversation(conversation_id, label, to_messages(record, source.schema_)))

@@ -1,0 +1,85 @@
+"""06's outputs: report.json (machine-readable), report.md (for people), acceptance.png, terminal tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3_pipeline.stage_io import atomic_path, write_json_atomic
+from eagle3_pipeline.validate.compare import Difference, ordered
+
+
+def difference_table(differences: list[Difference]) -> str:
+    """A markdown table, breaking differences first."""
+    if not differences:
+        return "no differences"
+    rows = ["| kind | where | difference |", "|---|---|---|"]
+    rows += [f"| {d.kind} | {d.where} | {d.message} |" for d in ordered(differences)]
+    return "\n".join(rows)
+
+
+def acceptance_table(report: dict) -> str:
+    rows = ["| k | mean acceptance length | acceptance per position | drafts | greedy identical | tokens/s | speed-up |",
+            "|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        per_position = ", ".join(f"{rate:.3f}" for rate in run["acceptance_per_position"])
+        identical = "-" if run["greedy_identical_fraction"] is None else f"{run['greedy_identical_fraction']:.2f}"
+        speedup = "-" if run["speedup"] is None else f"{run['speedup']:.2f}x"
+        rows.append(f"| {run['num_speculative_tokens']} | {run['mean_acceptance_length']:.3f} | {per_position} | "
+                    f"{run['num_drafts']} | {identical} | {run['tokens_per_s']:.1f} | {speedup} |")
+    return "\n".join(rows)
+
+
+def write_reports(folder: Path, report: dict) -> None:
+    write_json_atomic(folder / "report.json", report)
+    with atomic_path(folder / "report.md") as tmp:
+        tmp.write_text(markdown(report))
+    if report["runs"]:
+        plot_acceptance(folder / "acceptance.png", report)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Validation of {report['export']}", "", f"**Verdict: {report['verdict']}**", ""]
+    lines += [f"- {problem}" for problem in report["problems"]] + [""]
+    for fmt, differences in report["static_differences"].items():
+        lines += [f"## Static check: {fmt}", "", difference_table([Difference(**d) for d in differences]), ""]
+    if report["runs"]:
+        lines += ["## Acceptance in vLLM (eval prompts, greedy)", "", acceptance_table(report), "",
+                  (f"{report['prompts']} prompts, up to {report['max_tokens']} tokens each. Eval step-0 accuracy "
+                   f"from 04_train: {report['eval_step0_accuracy']}; first-position acceptance must reach "
+                   f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", ""]
+    lines += ["## Serving", "", "```", report["serving_command"], "```", ""]
+    return "\n".join(lines)
+
+
+def plot_acceptance(path: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for run in report["runs"]:
+        rates = run["acceptance_per_position"]
+        ax.plot(range(1, len(rates) + 1), rates, "o-",
+                label=f"k={run['num_speculative_tokens']}: mean acceptance length {run['mean_acceptance_length']:.2f}")
+    if report["eval_step0_accuracy"] is not None:
+        ax.axhline(report["eval_step0_accuracy"], color="grey", ls="--", label="04 eval step-0 accuracy")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (this and every earlier token)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def print_summary(report: dict) -> None:
+    print(json.dumps({k: report[k] for k in ("mean_acceptance_length", "acceptance_per_position",
+                                              "num_speculative_tokens", "greedy_identical_fraction")}))
+    if report["runs"]:
+        print(acceptance_table(report))
+    print(f"serve it with:\n  {report['serving_command']}")
+    print(f"06_validate: {report['verdict']}" + "".join(f"\n  - {p}" for p in report["problems"]))

@@ -1,0 +1,164 @@
+"""Stage 06: prove the export is what the config says, that vLLM loads all of it, and that it speeds the target up.
+
+    static    each export folder against the spec the config implies (for Kimi: the AQ-MedAI reference's):
+              every tensor name, shape, dtype and config field, d2t/t2d values; differences classified
+              (compare.py). Any breaking one fails the stage before an engine starts.
+    dynamic   vLLM with the target and the draft on 01's eval prompts, once per k: acceptance counters and
+              the draft parameters vLLM loaded (weights_probe.py); once without speculation, for greedy
+              outputs to compare. A train/serve mismatch (position-1 acceptance far below 04's eval step-0
+              accuracy) or a parameter vLLM did not load fails the stage.
+
+Writes report.json, report.md, acceptance.png; the manifest only when everything passed (a failed check
+stays failed on rerun). `check` is the static comparison alone, on any folder or spec.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.export import serving_command
+from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
+from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.validate.acceptance import EngineRun, serve
+from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, spec_format, static_differences
+from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
+from eagle3_pipeline.validate.spec import read_spec, run_spec
+
+
+def run(config: RunConfig, force: bool = False) -> None:
+    stage = Stage(config, "06_validate", force=force)
+    if stage.is_complete():
+        return
+    stage.begin()
+    export_dir = stage.input_dir("05_export")
+    exported = read_manifest(export_dir)
+    serving_len = config.target.engine.max_model_len
+
+    # 1. Static: a breaking difference fails here, before minutes of engine start-up.
+    with stage.timed("static"):
+        static = {fmt: static_differences(export_dir / fmt, run_spec(config, fmt), serving_len)
+                  for fmt in exported["formats"]}
+    problems = [f"{fmt} {d.where}: {d.message}" for fmt, ds in static.items() for d in ds if d.kind == BREAKING]
+    for fmt, differences in static.items():
+        print(f"06_validate: static check of {fmt}: {len(differences)} differences\n{difference_table(differences)}")
+
+    # 2. Dynamic: the first exported format served by vLLM, once per k, then once without speculation.
+    served = export_dir / exported["formats"][0]
+    step0 = (exported.get("eval_metrics") or {}).get("eval_accuracy", [None])[0]
+    runs, plain, prompts = [], None, []
+    if not problems:
+        prompts = eval_prompts(config)
+        runs, plain = serve_all(stage, config, served, prompts)
+        problems += dynamic_problems(runs, step0, config.validate_.min_acceptance_ratio)
+    else:
+        print("06_validate: breaking differences: vLLM not started")
+
+    report = build_report(config, served, static, runs, plain, len(prompts), step0, problems)
+    write_reports(stage.dir, report)
+    print_summary(report)
+    if problems:
+        raise StageError(f"validation failed ({len(problems)} problems): see {stage.path('report.md')}")
+    stage.finish(counts={"prompts": len(prompts), "mean_acceptance_length": report["mean_acceptance_length"]},
+                 extra={"report": "report.json"})
+
+
+def check(config: RunConfig, path: Path | None, reference: Path | None) -> None:
+    """Static comparison only: `path` (default: the run's first export) against `reference` or the config's spec."""
+    path = path or Path(config.run_dir) / "05_export" / config.export.formats[0]
+    actual = read_spec(path)
+    expected = read_spec(reference) if reference else run_spec(config, spec_format(actual.config))
+    differences = static_differences(path, expected, config.target.engine.max_model_len)
+    against = reference or f"the spec of {config.run_dir}'s config"
+    print(f"{path} against {against}: {len(differences)} differences\n{difference_table(differences)}")
+    breaking = [d for d in ordered(differences) if d.kind == BREAKING]
+    if breaking:
+        raise StageError(f"{len(breaking)} breaking differences, first: {breaking[0].where}: {breaking[0].message}")
+
+
+def eval_prompts(config: RunConfig) -> list[list[int]]:
+    """01's eval split, templated prompts (`prompt_ids`), the first `validate.max_prompts`."""
+    from datasets import load_from_disk
+
+    data_dir = Path(config.run_dir) / "01_data"
+    if read_manifest(data_dir) is None or not (data_dir / "eval").is_dir():
+        raise StageError(f"{data_dir} holds no finished eval split: rerun 01_prepare_data.py")
+    split = load_from_disk(str(data_dir / "eval"))
+    if "prompt_ids" not in split.column_names or len(split) == 0:
+        raise StageError(f"{data_dir}/eval has no prompts (column prompt_ids): add data.eval_sources or eval_fraction")
+    return [list(ids) for ids in split["prompt_ids"][: config.validate_.max_prompts]]
+
+
+def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[list[int]]):
+    """One engine per k with the draft, then one without speculation: (runs, plain or None)."""
+    model_dir = target_path(config.target)
+    print(f"06_validate: {len(prompts)} eval prompts, up to {config.validate_.max_tokens} tokens, "
+          f"k = {config.validate_.num_speculative_tokens}, draft {served}")
+    runs, plain = [], None
+    for k in config.validate_.num_speculative_tokens:
+        with stage.timed(f"vllm_k{k}"):
+            runs.append(serve(config, model_dir, prompts, served, k))
+    if config.validate_.compare_without_speculation:
+        with stage.timed("vllm_without_speculation"):
+            plain = serve(config, model_dir, prompts, None, 0)
+    return runs, plain
+
+
+def dynamic_problems(runs: list[EngineRun], step0: float | None, ratio: float) -> list[str]:
+    problems = []
+    for run in runs:
+        tag = f"k={run.num_speculative_tokens}"
+        if run.skipped_parameters:
+            problems.append(f"{tag}: vLLM did not load these draft parameters from the export: {run.skipped_parameters}")
+        if run.counters["num_drafts"] == 0:
+            problems.append(f"{tag}: vLLM proposed no drafts: speculation did not run")
+        elif step0 is not None and run.acceptance_per_position[0] < ratio * step0:
+            problems.append(f"{tag}: train/serve mismatch: position-1 acceptance {run.acceptance_per_position[0]:.3f} "
+                            f"< {ratio} x eval step-0 accuracy {step0:.3f} (check aux layer ids and their convention, "
+                            "norm_before_residual, rope, d2t)")
+    return problems
+
+
+def build_report(config: RunConfig, served: Path, static: dict[str, list[Difference]], runs: list[EngineRun],
+                 plain: EngineRun | None, prompts: int, step0: float | None, problems: list[str]) -> dict:
+    first = runs[0] if runs else None
+    runs_json = [run_json(run, plain) for run in runs]
+    return {
+        "export": str(served),
+        "verdict": "FAILED" if problems else "PASSED",
+        "problems": problems,
+        "num_speculative_tokens": first.num_speculative_tokens if first else None,
+        "mean_acceptance_length": first.mean_acceptance_length if first else None,
+        "acceptance_per_position": first.acceptance_per_position if first else None,
+        "greedy_identical_fraction": runs_json[0]["greedy_identical_fraction"] if runs_json else None,
+        "eval_step0_accuracy": step0,
+        "min_acceptance_ratio": config.validate_.min_acceptance_ratio,
+        "prompts": prompts,
+        "max_tokens": config.validate_.max_tokens,
+        "runs": runs_json,
+        "without_speculation": {"tokens_per_s": plain.generated_tokens / plain.seconds} if plain else None,
+        "static_differences": {fmt: [d.to_json() for d in ds] for fmt, ds in static.items()},
+        "serving_command": serving_command(config, served, served.name, first.num_speculative_tokens if first else None),
+    }
+
+
+def run_json(run: EngineRun, plain: EngineRun | None) -> dict:
+    identical = speedup = None
+    if plain is not None:
+        identical = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / max(len(run.outputs), 1)
+        speedup = (run.generated_tokens / run.seconds) / (plain.generated_tokens / plain.seconds)
+    return {
+        "num_speculative_tokens": run.num_speculative_tokens,
+        "mean_acceptance_length": run.mean_acceptance_length,
+        "acceptance_per_position": run.acceptance_per_position,
+        "num_drafts": run.counters["num_drafts"],
+        "num_draft_tokens": run.counters["num_draft_tokens"],
+        "num_accepted_tokens": run.counters["num_accepted_tokens"],
+        "accepted_per_position": run.accepted_per_position,
+        "greedy_identical_fraction": identical,
+        "tokens_per_s": run.generated_tokens / run.seconds,
+        "speedup": speedup,  # tokens/s against the same prompts without speculation (wall clock, batched)
+        "skipped_parameters": run.skipped_parameters,
+        "shared_from_target": run.shared_parameters,
+        "ignored_tensors": run.ignored_tensors,
+    }

@@ -1,0 +1,122 @@
+"""Stage 05: reference-compatible folders from a trained checkpoint, and the Kimi spec from the config alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3_pipeline import export
+from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
+from eagle3_pipeline.stage_io import StageError, read_manifest
+from eagle3_pipeline.validate.spec import read_spec
+from tests.conftest import CONFIGS, run_python
+from tests.validate.runs import trained_tiny_run
+
+REFERENCE = json.loads(REFERENCE_DRAFT_SPEC.read_text())
+# Where `05_export.py --spec-only` on configs/kimi_k25.yaml departs from the reference spec, and why:
+JUSTIFIED = {
+    # the issue asks for it written out: vLLM reads an absent field as false for this format but as true
+    # for the speculators format, so the explicit value removes the doubt (same semantics as the reference)
+    "norm_before_residual": False,
+}
+
+
+def test_spec_only_kimi_equals_the_reference_except_the_listed_fields(tmp_path):
+    out = tmp_path / "spec.json"
+    result = run_python("05_export.py", "--config", str(CONFIGS / "kimi_k25.yaml"), "--spec-only", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    spec = json.loads(out.read_text())
+    assert spec["tensors"] == {name: {"shape": t["shape"], "dtype": t["dtype"]} for name, t in REFERENCE["tensors"].items()}
+    differing = {key for key in spec["config"].keys() | REFERENCE["config"].keys()
+                 if spec["config"].get(key, "absent") != REFERENCE["config"].get(key, "absent")}
+    assert differing == JUSTIFIED.keys()
+    assert {key: spec["config"][key] for key in JUSTIFIED} == JUSTIFIED
+    # and 06 classifies that one difference as cosmetic: exit 0
+    result = run_python("06_validate.py", "--config", str(CONFIGS / "kimi_k25.yaml"), "--check", str(out),
+                        "--reference", str(REFERENCE_DRAFT_SPEC))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "| cosmetic | config norm_before_residual |" in result.stdout
+
+
+def test_spec_only_without_target_or_facts_is_a_config_error(tmp_path):
+    result = run_python("05_export.py", "--config", str(CONFIGS / "kimi_k25.yaml"), "--spec-only",
+                        "--out", str(tmp_path / "s.json"), "--set", "export.target_facts=null")
+    assert result.returncode == 2
+    assert "set export.target_facts" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    config, path = trained_tiny_run(tmp_path_factory.mktemp("export"))
+    export.run(config)
+    return config, path
+
+
+def test_reference_folder_matches_the_checkpoint_in_reference_names_and_dtypes(exported):
+    config, _ = exported
+    folder = config.run_dir / "05_export" / "reference"
+    checkpoint = load_file(str(config.run_dir / "04_train" / "checkpoints" / "step_6" / "model.safetensors"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert "embed_tokens.weight" not in tensors and not any(n.startswith("layers.") for n in tensors)
+    for name, tensor in tensors.items():
+        source = checkpoint[name.replace("midlayer.", "layers.0.", 1)]
+        want = source.to(torch.bfloat16) if source.is_floating_point() else source
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["head_dim"] == 32
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
+    assert cfg["norm_before_residual"] is False and cfg["draft_vocab_size"] == 128 and cfg["vocab_size"] == 512
+    assert cfg["max_position_embeddings"] >= config.target.engine.max_model_len
+    assert json.loads((folder / "spec.json").read_text()) == read_spec(folder).to_json()
+
+
+def test_model_card_and_manifest(exported):
+    config, _ = exported
+    card = (config.run_dir / "05_export" / "reference" / "README.md").read_text()
+    metrics = read_manifest(config.run_dir / "05_export")["eval_metrics"]
+    assert metrics["step"] == 6 and len(metrics["eval_accuracy"]) == 3
+    assert f"| 0 | {metrics['eval_accuracy'][0]:.4f} |" in card
+    assert "vllm serve" in card and '"method": "eagle3"' in card and "checkpoint `step_6`" in card
+    with safe_open(str(config.run_dir / "05_export" / "speculators" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "layers.0.self_attn.q_proj.weight" in names and "embed_tokens.weight" not in names
+
+
+def test_vllm_reads_the_speculators_folder_as_eagle3_on_the_target(exported):
+    from vllm.transformers_utils.config import maybe_override_with_speculators
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    config, _ = exported
+    folder = config.run_dir / "05_export" / "speculators"
+    model, _, speculative = maybe_override_with_speculators(str(folder), None, trust_remote_code=False)
+    assert model == config.target.path
+    assert speculative == {"method": "eagle3", "num_speculative_tokens": 3, "model": str(folder)}
+    draft = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads((folder / "config.json").read_text()))
+    assert draft["architectures"] == ["Eagle3LlamaForCausalLM"] and draft["norm_before_residual"] is False
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and draft["head_dim"] == 32
+
+
+def test_checkpoint_choice(exported):
+    config, _ = exported
+    with pytest.raises(StageError, match=r"holds the export of 04_train/checkpoints/step_6; add --force .* step_3"):
+        export.run(config, checkpoint="step_3")
+    with pytest.raises(StageError, match=r"--checkpoint 9: not in .* \(have: step_3, step_6\)"):
+        export.run(config, checkpoint="9", force=True)
+    export.run(config, checkpoint="3", force=True)
+    assert read_manifest(config.run_dir / "05_export")["checkpoint"] == "04_train/checkpoints/step_3"
+    export.run(config, force=True)  # back to the last checkpoint for the other tests
+
+
+def test_checkpoint_of_another_draft_shape_is_refused(exported, tmp_path):
+    config, _ = exported
+    state = load_file(str(config.run_dir / "04_train" / "checkpoints" / "step_6" / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"][:, :10].contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    reference = json.loads((config.run_dir / "05_export" / "reference" / "config.json").read_text())
+    with pytest.raises(StageError, match=r"does not fit the `draft:` config .* fc.weight \[64, 10\] != \[64, 192\]"):
+        export.load_checkpoint_state(tmp_path, reference)

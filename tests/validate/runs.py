@@ -1,0 +1,88 @@
+"""Finished runs up to 04_train, for the export and validation tests (no vLLM before 06).
+
+- `trained_tiny_run`: fabricate.py's tiny target (hidden 64, vocab 512) and random states, trained 6 steps.
+- `trained_stand_in_run`: a stand-in target (SmolLM2 or tiny Kimi), 01 with an eval split carrying
+  `prompt_ids` as 06 reads it, 02 from given hidden states, 03, and 04 trained `max_steps` steps.
+- `cached_run`: such a run built once into the cache and copied for each test (training takes minutes).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from eagle3_pipeline.config import RunConfig, parse_config
+from eagle3_pipeline.hidden_states_store import SampleStates
+from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path
+from eagle3_pipeline.stand_ins import cache_dir
+from eagle3_pipeline.train import loop
+from tests.conftest import CONFIGS
+from tests.train.fabricate import tiny_run, write_states_stage, write_vocab_stage
+
+
+def trained_tiny_run(tmp_path: Path) -> tuple[RunConfig, Path]:
+    config, path = tiny_run(tmp_path)
+    loop.run(config)
+    return config, path
+
+
+def stand_in_config(tmp_path: Path, name: str, train: dict, validate: dict | None = None,
+                    run_dir: Path | None = None) -> tuple[RunConfig, Path]:
+    """configs/<name>.yaml with the given train/validate overrides, written under tmp_path; run_dir tmp_path/run."""
+    tree = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    tree["run_dir"] = str(run_dir or tmp_path / "run")
+    tree["train"] |= train
+    tree["validate"] |= validate or {}
+    path = tmp_path / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return parse_config(tree, str(path)), path
+
+
+def write_data_stage_with_prompts(config: RunConfig, train: list[dict], eval_: list[dict], vocab: int) -> None:
+    """01_data as stage 01 writes it: eval rows carry `prompt_ids`, the tokens before the first loss token."""
+    stage = Stage(config, "01_data")
+    stage.begin()
+    for name, samples in (("train", train), ("eval", eval_)):
+        columns = {key: [s[key] for s in samples] for key in ("id", "input_ids", "loss_mask")}
+        columns["source"] = ["fabricated"] * len(samples)
+        columns["seq_len"] = [len(s["input_ids"]) for s in samples]
+        if name == "eval":
+            columns["prompt_ids"] = [s["input_ids"][: s["loss_mask"].index(1)] for s in samples]
+        datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(name)))
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for s in train:
+        ids = torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"], dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab)
+    save_file({"counts": counts}, str(stage.path("token_freq.safetensors")))
+    stage.finish(counts={"train": len(train), "eval": len(eval_)})
+
+
+def trained_stand_in_run(config: RunConfig, samples: list[dict], states: list[SampleStates], eval_count: int,
+                         vocab: int, aux_layer_ids: list[int]) -> None:
+    """01 (last `eval_count` samples held out), 02, 03 and 04 of a stand-in target."""
+    write_data_stage_with_prompts(config, samples[:-eval_count], samples[-eval_count:], vocab)
+    write_states_stage(config, states, aux_layer_ids)
+    write_vocab_stage(config)
+    loop.run(config)
+
+
+def cached_run(tmp_path: Path, key: str, config_name: str, train: dict, validate: dict,
+               build: Callable[[RunConfig], None]) -> tuple[RunConfig, Path]:
+    """A run finished up to 04, built once by `build(config)` into the cache, copied under tmp_path.
+
+    The copy is a complete run: stage fingerprints cover config sections, never run_dir, and every manifest
+    travels with the folder it describes. Bump the version inside `key` when `build` changes.
+    """
+    cached = cache_dir() / "test_runs" / key
+    if not (cached / "04_train" / MANIFEST).exists():
+        with atomic_path(cached) as building:
+            build(stand_in_config(tmp_path / "build", config_name, train, validate, run_dir=building)[0])
+    shutil.copytree(cached, tmp_path / "run")
+    return stand_in_config(tmp_path, config_name, train, validate)

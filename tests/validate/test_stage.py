@@ -1,0 +1,46 @@
+"""06's dynamic verdict from vLLM's counters: a skipped draft parameter, no drafts, a train/serve mismatch."""
+
+from __future__ import annotations
+
+from eagle3_pipeline.validate.acceptance import EngineRun, read_counters
+from eagle3_pipeline.validate.stage import dynamic_problems
+
+
+class Metric:  # the fields of vllm.v1.metrics.reader's Counter / Vector that read_counters uses
+    def __init__(self, name, value=None, values=None):
+        self.name, self.value, self.values = name, value, values
+
+
+def served(drafts: int, accepted_per_position: list[int], skipped: list[str] | None = None) -> EngineRun:
+    run = EngineRun(len(accepted_per_position), [[1, 2, 3]], 1.0, skipped_parameters=skipped or [])
+    read_counters(run, [
+        Metric("vllm:spec_decode_num_drafts", drafts),
+        Metric("vllm:spec_decode_num_draft_tokens", drafts * len(accepted_per_position)),
+        Metric("vllm:spec_decode_num_accepted_tokens", sum(accepted_per_position)),
+        Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=accepted_per_position),
+        Metric("vllm:prompt_tokens", 999),  # other counters are ignored
+    ])
+    return run
+
+
+def test_acceptance_figures_from_the_counters():
+    run = served(drafts=100, accepted_per_position=[40, 20, 10])
+    assert run.mean_acceptance_length == 1.7
+    assert run.acceptance_per_position == [0.4, 0.2, 0.1]
+
+
+def test_a_healthy_run_has_no_problems():
+    assert dynamic_problems([served(100, [40, 20, 10])], step0=0.45, ratio=0.5) == []
+
+
+def test_first_position_far_below_the_eval_accuracy_is_a_mismatch():
+    problems = dynamic_problems([served(100, [10, 2, 0])], step0=0.45, ratio=0.5)
+    assert len(problems) == 1
+    assert problems[0].startswith("k=3: train/serve mismatch: position-1 acceptance 0.100 < 0.5 x eval step-0 "
+                                  "accuracy 0.450")
+
+
+def test_skipped_parameters_and_no_drafts_fail():
+    problems = dynamic_problems([served(0, [0, 0, 0], skipped=["model.fc.weight"])], step0=None, ratio=0.5)
+    assert problems == ["k=3: vLLM did not load these draft parameters from the export: ['model.fc.weight']",
+                        "k=3: vLLM proposed no drafts: speculation did not run"]
