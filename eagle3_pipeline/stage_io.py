@@ -92,6 +92,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def save_figure_atomic(fig, path: Path) -> None:
+    """A matplotlib figure as a PNG, complete or absent; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
 def package_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:

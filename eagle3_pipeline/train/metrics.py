@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.stage_io import atomic_path
+from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
 
 
@@ -87,9 +87,7 @@ class MetricsLog:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
-        plt.close(fig)
+        save_figure_atomic(fig, path)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline.stage_io import atomic_path, write_json_atomic
+from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic, write_json_atomic
 from eagle3_pipeline.validate.compare import Difference, ordered
 
 
@@ -71,9 +71,7 @@ def plot_acceptance(path: Path, report: dict) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure_atomic(fig, path)
 
 
 def print_summary(report: dict) -> None:

@@ -82,13 +82,16 @@ def random_samples(count: int, vocab: int, seed: int, prefix: str) -> list[dict]
 
 
 def write_data_stage(config: RunConfig, train: list[dict], eval_: list[dict], vocab: int) -> None:
-    """01_data: train/ and eval/ datasets and the loss-masked token counts of train."""
+    """01_data as stage 01 writes it: train/ and eval/ datasets (eval rows carry `prompt_ids`, the tokens
+    before the first loss token, as 06 reads them) and the loss-masked token counts of train."""
     stage = Stage(config, "01_data")
     stage.begin()
     for name, samples in (("train", train), ("eval", eval_)):
         columns = {key: [s[key] for s in samples] for key in ("id", "input_ids", "loss_mask")}
         columns["source"] = ["fabricated"] * len(samples)
         columns["seq_len"] = [len(s["input_ids"]) for s in samples]
+        if name == "eval":
+            columns["prompt_ids"] = [s["input_ids"][: s["loss_mask"].index(1)] for s in samples]
         datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(name)))
     counts = torch.zeros(vocab, dtype=torch.int64)
     for s in train:
@@ -153,13 +156,22 @@ def smollm2_humaneval_inputs(model_dir: Path, count: int, max_tokens: int = 256)
     hidden states on them (HF transformers, fp32): aux = output_hidden_states[i], final = the last layer's
     output before the final norm. Built once, then read from the cache (the forward pass costs minutes here).
     """
+    def build() -> list[dict]:
+        return _humaneval_chats(model_dir, count, max_tokens)
+
+    return cached_inputs(f"smollm2-humaneval-{count}-{max_tokens}-v{REAL_INPUTS_VERSION}", model_dir, build)
+
+
+def cached_inputs(name: str, model_dir: Path, build_samples) -> tuple[list[dict], list]:
+    """(samples, SmolLM2 hidden states) from the cache file `name`, or built by `build_samples()` and
+    `_smollm2_states`, then cached (the forward pass costs minutes here)."""
     from eagle3_pipeline.stand_ins import cache_dir
 
-    cached = cache_dir() / "test_inputs" / f"smollm2-humaneval-{count}-{max_tokens}-v{REAL_INPUTS_VERSION}.pt"
+    cached = cache_dir() / "test_inputs" / f"{name}.pt"
     if cached.exists():
         saved = torch.load(cached, weights_only=False)
         return saved["samples"], [SampleStates(**s) for s in saved["states"]]
-    samples = _humaneval_chats(model_dir, count, max_tokens)
+    samples = build_samples()
     states = _smollm2_states(model_dir, samples)
     cached.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"samples": samples, "states": [vars(s) for s in states]}, cached)

@@ -12,18 +12,15 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import datasets
-import torch
 import yaml
-from safetensors.torch import save_file
 
 from eagle3_pipeline.config import RunConfig, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path
+from eagle3_pipeline.stage_io import MANIFEST, atomic_path
 from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
-from tests.train.fabricate import tiny_run, write_states_stage, write_vocab_stage
+from tests.train.fabricate import tiny_run, write_data_stage, write_states_stage, write_vocab_stage
 
 
 def trained_tiny_run(tmp_path: Path) -> tuple[RunConfig, Path]:
@@ -45,29 +42,10 @@ def stand_in_config(tmp_path: Path, name: str, train: dict, validate: dict | Non
     return parse_config(tree, str(path)), path
 
 
-def write_data_stage_with_prompts(config: RunConfig, train: list[dict], eval_: list[dict], vocab: int) -> None:
-    """01_data as stage 01 writes it: eval rows carry `prompt_ids`, the tokens before the first loss token."""
-    stage = Stage(config, "01_data")
-    stage.begin()
-    for name, samples in (("train", train), ("eval", eval_)):
-        columns = {key: [s[key] for s in samples] for key in ("id", "input_ids", "loss_mask")}
-        columns["source"] = ["fabricated"] * len(samples)
-        columns["seq_len"] = [len(s["input_ids"]) for s in samples]
-        if name == "eval":
-            columns["prompt_ids"] = [s["input_ids"][: s["loss_mask"].index(1)] for s in samples]
-        datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(name)))
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for s in train:
-        ids = torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"], dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=vocab)
-    save_file({"counts": counts}, str(stage.path("token_freq.safetensors")))
-    stage.finish(counts={"train": len(train), "eval": len(eval_)})
-
-
 def trained_stand_in_run(config: RunConfig, samples: list[dict], states: list[SampleStates], eval_count: int,
                          vocab: int, aux_layer_ids: list[int]) -> None:
     """01 (last `eval_count` samples held out), 02, 03 and 04 of a stand-in target."""
-    write_data_stage_with_prompts(config, samples[:-eval_count], samples[-eval_count:], vocab)
+    write_data_stage(config, samples[:-eval_count], samples[-eval_count:], vocab)
     write_states_stage(config, states, aux_layer_ids)
     write_vocab_stage(config)
     loop.run(config)

@@ -1,8 +1,8 @@
 """Self-distilled SmolLM2 inputs for the 06 acceptance test: HumanEval prompts answered by SmolLM2 itself.
 
 A draft learns to predict the target's own greedy answers, as 01 makes them: vLLM answers the prompts (bf16,
-greedy, stopping at the end of the turn), worded as 01's `humaneval` source words them. Hidden states come from transformers (fabricate.py), as 02 would
-capture them. Built once into the cache (a few minutes on 2 cores), then read back.
+greedy, stopping at the end of the turn), worded as 01's `humaneval` source words them. Hidden states come
+from transformers (fabricate.py), as 02 would capture them. Built once into the cache (a few minutes on 2 cores), then read back.
 """
 
 from __future__ import annotations
@@ -12,27 +12,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from eagle3_pipeline.data.sources import HUMANEVAL_REQUEST
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stand_ins import cache_dir
 from tests.conftest import run_python
-from tests.train.fabricate import _smollm2_states
+from tests.train.fabricate import cached_inputs
 
 VERSION = 1  # bump when the construction changes: the cached file is rebuilt
 
 
 def self_distilled_humaneval(model_dir: Path, count: int, max_tokens: int) -> tuple[list[dict], list[SampleStates]]:
-    cached = cache_dir() / "test_inputs" / f"smollm2-selfdistilled-humaneval-{count}-{max_tokens}-v{VERSION}.pt"
-    if cached.exists():
-        saved = torch.load(cached, weights_only=False)
-        return saved["samples"], [SampleStates(**s) for s in saved["states"]]
-    samples = _answered_prompts(model_dir, count, max_tokens)
-    states = _smollm2_states(model_dir, samples)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"samples": samples, "states": [vars(s) for s in states]}, cached)
-    return samples, states
+    return cached_inputs(f"smollm2-selfdistilled-humaneval-{count}-{max_tokens}-v{VERSION}", model_dir,
+                         lambda: _answered_prompts(model_dir, count, max_tokens))
 
 
 def _answered_prompts(model_dir: Path, count: int, max_tokens: int) -> list[dict]:
