@@ -5,7 +5,13 @@
     optimizer.pt         AdamW state, full (gathered under FSDP) and keyed by parameter name
     scheduler.pt         the learning-rate schedule
     rng-rank<R>.pt       each rank's Python, NumPy and torch RNG states
-    trainer_state.json   step and data position (packs consumed, global batch)
+    trainer_state.json   step and data position (packs consumed, global batch), and how the launch split
+                         the global batch (processes x micro_batch_size x grad_accumulation)
+
+A checkpoint resumes under any split of the same global batch (2 GPUs x grad_accumulation 1 -> 1 GPU x
+grad_accumulation 2, and back): the packs of each step, the summed gradient and therefore the run are the same.
+`adopt_split` lets the stage's partial work continue under the new micro_batch_size/grad_accumulation; every
+rank's RNG state is the same (one seed, no random ops in a step), so a rank the writer did not have takes rank 0's.
 
 All ranks write into `.step_N.partial/`; rank 0 renames it to `step_N` once every file is there, so a crash
 mid-save leaves only a hidden partial folder, which is never resumed from and which the next save deletes.
@@ -31,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.stage_io import STARTED, Stage, StageError, fingerprint, write_json_atomic
 from eagle3_pipeline.train.draft_model import FROZEN
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -44,7 +50,7 @@ def step_dirs(checkpoints: Path) -> list[Path]:
 
 
 def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, accelerator,
-                    packs_per_step: int, keep: int) -> Path:
+                    packs_per_step: int, keep: int, split: dict | None = None) -> Path:
     final = checkpoints / f"step_{step}"
     partial = checkpoints / f".step_{step}.partial"
     if accelerator.is_main_process:
@@ -61,7 +67,8 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, a
         save_file(kept, str(partial / "model.safetensors"))
         torch.save(optimizer_state, partial / "optimizer.pt")
         torch.save(scheduler.state_dict(), partial / "scheduler.pt")
-        state = {"step": step, "packs_consumed": step * packs_per_step, "packs_per_step": packs_per_step}
+        state = {"step": step, "packs_consumed": step * packs_per_step, "packs_per_step": packs_per_step,
+                 **(split or {})}  # split: processes, micro_batch_size, grad_accumulation of this launch
         (partial / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -78,17 +85,52 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, accelerator, packs_
     """Restore everything saved in `path`; returns the step to continue from."""
     state = json.loads((path / "trainer_state.json").read_text())
     if state["packs_per_step"] != packs_per_step:
-        raise StageError(
-            f"{path} was written with a global batch of {state['packs_per_step']} packs per step, this launch has "
-            f"{packs_per_step} (processes x micro_batch_size x grad_accumulation): relaunch with as many processes"
-        )
+        raise StageError(_other_batch(path, state["packs_per_step"], packs_per_step))
     set_model_state_dict(model, load_file(str(path / "model.safetensors")),
                          options=StateDictOptions(full_state_dict=True, strict=False))
     set_optimizer_state_dict(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False),
                              options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    _set_rng_state(torch.load(path / f"rng-rank{accelerator.process_index}.pt", weights_only=False))
+    rng = path / f"rng-rank{accelerator.process_index}.pt"
+    if not rng.is_file():  # more processes than the writer had: all ranks' states are equal (see top)
+        rng = path / "rng-rank0.pt"
+    _set_rng_state(torch.load(rng, weights_only=False))
     return state["step"]
+
+
+def adopt_split(stage: Stage, packs_per_step: int) -> None:
+    """Before `stage.begin()` on --resume: partial work launched with another micro_batch_size/grad_accumulation
+    (another process count) continues when the global batch is the same and nothing else in the config changed.
+
+    Stage.begin refuses partial work whose `.started.json` fingerprint differs from this launch's. The newest
+    checkpoint records the split it was written with; when this launch's config with that split has exactly the
+    recorded fingerprint, the only change is the split, and the record is moved to this launch's config (the
+    finished stage's manifest holds the config of the launch that finished it).
+    """
+    started, found = stage.dir / STARTED, step_dirs(stage.path("checkpoints"))
+    if not started.is_file() or not found:
+        return
+    recorded = json.loads(started.read_text())
+    state = json.loads((found[-1] / "trainer_state.json").read_text())
+    split = {key: state[key] for key in ("micro_batch_size", "grad_accumulation") if key in state}
+    if recorded.get("fingerprint") == stage.fingerprint or len(split) < 2:  # same config, or an older checkpoint
+        return
+    sections = {name: stage.config.section(name) for name in stage.spec.sections}
+    sections["train"] |= split
+    if fingerprint(sections) != recorded.get("fingerprint"):
+        return  # something besides the split changed: Stage.begin refuses, as for any other config change
+    if state["packs_per_step"] != packs_per_step:
+        raise StageError(_other_batch(found[-1], state["packs_per_step"], packs_per_step))
+    write_json_atomic(started, {**recorded, "fingerprint": stage.fingerprint})
+    print(f"04_train: resuming {found[-1].name}, written by {state.get('processes', '?')} process(es) x "
+          f"micro_batch_size {state['micro_batch_size']} x grad_accumulation {state['grad_accumulation']}, with "
+          f"another split of the same global batch ({packs_per_step} packs per step)")
+
+
+def _other_batch(path: Path, written: int, now: int) -> str:
+    return (f"{path} was written with a global batch of {written} packs per step, this launch has {now} "
+            f"(processes x micro_batch_size x grad_accumulation): keep the product, e.g. "
+            f"--set train.grad_accumulation=N with N x processes x micro_batch_size = {written}")
 
 
 def _rng_state() -> dict:
@@ -105,4 +147,5 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):  # a node with fewer GPUs
+            torch.cuda.set_rng_state(cuda_state, device)

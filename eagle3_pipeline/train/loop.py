@@ -25,7 +25,7 @@ from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import Stage, StageError
 from eagle3_pipeline.stand_ins import target_path
 from eagle3_pipeline.train.attention import resolve_attention
-from eagle3_pipeline.train.checkpoint import load_checkpoint, save_checkpoint, step_dirs
+from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, plan_packs, rank_share
 from eagle3_pipeline.train.draft_model import build_draft, compile_layers, load_frozen_and_vocab
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
@@ -41,7 +41,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     stage = Stage(config, "04_train", force=force)
     if stage.is_complete():
         return
-    begin(stage, accelerator)
+    packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
+    begin(stage, accelerator, resume, packs_per_step)
     set_seed(train.seed)  # identical initial weights on every process
 
     inputs = read_inputs(stage, config)
@@ -51,7 +52,6 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     optimizer = make_optimizer(model.to(accelerator.device), train)
     scheduler = lr_schedule(optimizer, train)
     model, optimizer = accelerator.prepare(model, optimizer)
-    packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
     start_step = restore(stage, resume, model, optimizer, scheduler, accelerator, packs_per_step)
     if stop_at_step is not None and not start_step < stop_at_step <= train.max_steps:
         raise StageError(f"--stop-at-step {stop_at_step}: must lie after step {start_step} (where this launch "
@@ -84,7 +84,9 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             log.log(step, "eval", eval_values)
         if step % train.checkpoint_every == 0 or step in (train.max_steps, stop_at_step):
             save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator,
-                            packs_per_step, train.keep_checkpoints)
+                            packs_per_step, train.keep_checkpoints, split={
+                                "processes": accelerator.num_processes, "micro_batch_size": train.micro_batch_size,
+                                "grad_accumulation": train.grad_accumulation})
         if step == stop_at_step and step < train.max_steps:
             progress.close()
             log.close()
@@ -119,9 +121,12 @@ def make_accelerator(train) -> Accelerator:
     )
 
 
-def begin(stage: Stage, accelerator: Accelerator) -> None:
-    """Input checks on every process; the main process prepares the folder (or keeps partial work)."""
+def begin(stage: Stage, accelerator: Accelerator, resume: bool, packs_per_step: int) -> None:
+    """Input checks on every process; the main process prepares the folder (or keeps partial work, also when
+    --resume splits the same global batch over another number of processes: checkpoint.adopt_split)."""
     if accelerator.is_main_process:
+        if resume and not stage.force:
+            adopt_split(stage, packs_per_step)
         stage.begin()
     else:
         stage.check_inputs()

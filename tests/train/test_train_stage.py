@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from eagle3_pipeline import vocab
-from eagle3_pipeline.config import parse_config
+from eagle3_pipeline.config import load_config, parse_config
 from eagle3_pipeline.stage_io import StageError, read_manifest
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS, ROOT
@@ -80,6 +80,46 @@ def test_two_processes_follow_the_one_process_curve(tmp_path):
         for step in want:
             for key in LEARNED:
                 assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (split, step, key)
+
+
+def torchrun_04(yaml_path, *args: str) -> subprocess.CompletedProcess:
+    """04_train.py in 2 CPU processes (gloo)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "04_train.py", "--config", str(yaml_path), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_another_number_of_processes(tmp_path, capsys):
+    """2 processes -> 1 and 1 -> 2 at the same global batch (grad_accumulation 1 <-> 2) follow the straight run."""
+    one, _ = tiny_run(tmp_path, "one", grad_accumulation=2)
+    loop.run(one)  # the reference: 1 process x grad_accumulation 2, uninterrupted
+
+    two_then_one, two_then_one_yaml = tiny_run(tmp_path, "two_then_one", grad_accumulation=1)
+    torchrun_04(two_then_one_yaml, "--stop-at-step", "3")
+    loop.run(load_config(two_then_one_yaml, ["train.grad_accumulation=2"]), resume=True)
+    assert "written by 2 process(es) x micro_batch_size 1 x grad_accumulation 1" in capsys.readouterr().out
+
+    one_then_two, one_then_two_yaml = tiny_run(tmp_path, "one_then_two", grad_accumulation=2)
+    loop.run(one_then_two, stop_at_step=3)
+    with pytest.raises(StageError, match="global batch of 2 packs per step, this launch has 3"):
+        loop.run(load_config(one_then_two_yaml, ["train.grad_accumulation=3"]), resume=True)
+    resumed = torchrun_04(one_then_two_yaml, "--resume", "--set", "train.grad_accumulation=1")  # rank 1: rank 0's RNG
+    assert "resumed from" in resumed.stdout and "2 process(es)" in resumed.stdout
+
+    for run in (two_then_one, one_then_two):
+        assert read_manifest(run.run_dir / "04_train")["final_checkpoint"] == "checkpoints/step_6"
+        for split in ("train", "eval"):
+            want, got = records(one.run_dir, split), records(run.run_dir, split)
+            assert sorted(got) == sorted(want)
+            for step in want:
+                for key in (*LEARNED, "lr") if split == "train" else LEARNED:
+                    assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (split, step, key)
 
 
 @pytest.mark.slow
