@@ -1,0 +1,128 @@
+"""One teacher-forced evaluator for any speculators-format EAGLE-3 draft folder, on our eval split.
+
+Both trainers' drafts are loaded the same way (speculators' `Eagle3DraftModel.from_pretrained` on a
+speculators-format folder: ours from 05_export/speculators/, theirs from its checkpoint) and run the same
+training-time-test unroll on the same packed eval rows (our 01 eval split + 02 states, packed as 04 packs
+them), in float32, honouring each draft's own config flags (`norm_before_fc`, `fc_norm`, `norm_output`,
+`norm_before_residual` inside the decoder layer). Document-aware masks (eagle3_pipeline/train/attention.py)
+and targets: the verifier's top-1 over the draft vocabulary at the row the step predicts, counted where that
+row is in the same document and loss-masked (eagle3_pipeline/train/draft_model.py, `VerifierTargets`).
+
+Per TTT step k it reports
+    acc_k        top-1 agreement at step k with the true tokens before it (our 04 metric; teacher forcing)
+    chain_acc_k  agreement at steps 0..k all at once, over the rows counted at step k: with greedy decoding
+                 the tokens fed to step k are then the draft's own, so this is the teacher-forced
+                 counterpart of vLLM's acceptance at position k+1
+    loss_k       forward KL(verifier || draft) over the draft vocabulary
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from eagle3_pipeline.train.attention import ttt_masks
+from eagle3_pipeline.train.data import PackedRows, plan_packs
+from eagle3_pipeline.train.draft_model import VerifierTargets
+
+
+def load_draft(folder: Path, weight_prefix: str = ""):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3_pipeline.train.verifier import load_verifier_weights
+
+    config = Eagle3DraftModel.config_class.from_pretrained(str(folder))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # not serialised; our dense masks
+    model = Eagle3DraftModel.from_pretrained(str(folder), config=config)
+    # Both trainers freeze the draft's token embedding at the verifier's. A folder without embed_tokens (our
+    # export: vLLM shares the target's) comes out of speculators 0.9.0's from_pretrained with a randomly
+    # initialised embedding under transformers 5 (its NaN "not loaded" sentinel is overwritten by the init of
+    # missing keys, so load_verifier_weights skips it): load the verifier's for every draft.
+    verifier = load_verifier_weights(Path(config.speculators_config.verifier.name_or_path), weight_prefix)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(verifier.embed_tokens)
+    return model.float().eval()
+
+
+class EvalRows:
+    """Our eval split as packed rows, packed once (seed 0) and shared by every draft evaluated."""
+
+    def __init__(self, run_dir: Path, packed_length: int):
+        split = datasets.load_from_disk(str(run_dir / "01_data" / "eval"))
+        states = run_dir / "02_hidden_states"
+        rows_per_sample = np.asarray(split["seq_len"], dtype=np.int64) - 1
+        self.rows = PackedRows(split, states, packed_length, aux_width=0, hidden_size=0)
+        self.packs = plan_packs(rows_per_sample, packed_length, seed=[0])
+        self._batches = None
+
+    def batches(self, aux_width: int, hidden_size: int):
+        if self._batches is None:
+            self.rows.aux_width, self.rows.hidden_size = aux_width, hidden_size
+            self._batches = []
+            for pack in self.packs:
+                rows = self.rows[pack]
+                self._batches.append({k: v.unsqueeze(0).float() if v.is_floating_point() else v.unsqueeze(0)
+                                      for k, v in rows.items()})
+        return self._batches
+
+
+@torch.no_grad()
+def unroll(model, batch: dict, ttt_steps: int) -> torch.Tensor:
+    """[4, ttt_steps] sums over the batch: kl_sum, correct, chain_correct, count."""
+    cfg = model.config
+    document_ids, loss_mask = batch["document_ids"], batch["loss_mask"]
+    masks = ttt_masks(document_ids, ttt_steps, "sdpa")
+    target = VerifierTargets(model.verifier_lm_head(model.verifier_norm(batch["final"])))
+    hidden = batch["aux"]
+    if model.input_norm is not None:
+        hidden = model.input_norm(hidden)
+    if model.fc_norm is not None:
+        chunks = hidden.chunk(len(model.fc_norm), dim=-1)
+        hidden = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks)], dim=-1)
+    hidden = model.fc(hidden)
+    cache = DynamicCache()
+    tokens = batch["input_ids"]
+    length = tokens.shape[1]
+    chain = torch.ones_like(loss_mask, dtype=torch.bool)  # row t: steps 0..k-1 all correct
+    out = torch.zeros(4, ttt_steps)
+    for step in range(ttt_steps):
+        hidden = torch.cat([model.embed_tokens(tokens).to(hidden.dtype), hidden], dim=-1)
+        positions = batch["position_ids"] + step
+        rope = model.rotary_emb(hidden, positions)
+        for layer in model.layers:
+            hidden = layer(hidden, attention_mask=masks[step], position_ids=positions, past_key_values=cache,
+                           position_embeddings=rope)
+        if cfg.norm_output:
+            hidden = model.norm(hidden)
+            logits = model.lm_head(hidden)
+        else:
+            logits = model.lm_head(model.norm(hidden))
+        _, stats = target.distill(logits, loss_mask, document_ids, step)  # kl_sum, correct, count
+        rows = length - step
+        counted = loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
+        correct = logits[:, :rows].argmax(-1) == target.top1[:, step:]
+        chain = chain[:, :rows] & correct
+        out[:, step] = torch.stack([stats[0], stats[1], (chain & counted).sum().float(), stats[2]])
+        tokens = F.pad(tokens[:, 1:], (0, 1))
+    return out
+
+
+def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int) -> dict[str, float]:
+    model = load_draft(folder)
+    aux_width = model.fc.in_features
+    totals = torch.zeros(4, ttt_steps)
+    for batch in eval_rows.batches(aux_width, model.hidden_size):
+        totals += unroll(model, batch, ttt_steps)
+    kl, correct, chain, count = totals.double()
+    count = count.clamp(min=1)
+    values = {}
+    for k in range(ttt_steps):
+        values[f"acc_{k}"] = float(correct[k] / count[k])
+        values[f"chain_acc_{k}"] = float(chain[k] / count[k])
+        values[f"loss_{k}"] = float(kl[k] / count[k])
+    return values

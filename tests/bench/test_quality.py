@@ -1,0 +1,53 @@
+"""bench/quality.py's CPU-cheap parts: our 01/02 in speculators' offline-data format, read back by its own
+dataset class, and the token-budget match (no training, no vLLM)."""
+
+from __future__ import annotations
+
+import datasets
+import torch
+
+from bench.quality import matched_steps, spread
+from bench.speculators_trainer import train_batches, write_dataset
+from tests.train.fabricate import TINY, tiny_run
+
+
+def test_our_data_reads_back_through_speculators_dataset(tmp_path):
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset
+
+    config, _ = tiny_run(tmp_path)
+    facts = write_dataset(config.run_dir, tmp_path / "spec")
+    assert (facts["train_rows"], facts["eval_rows"]) == (24, 6)
+    train = ArrowDataset(max_len=512, datapath=tmp_path / "spec", on_missing="raise",
+                         train_ratio=facts["train_data_ratio"], split="train")
+    val = ArrowDataset(max_len=512, datapath=tmp_path / "spec", on_missing="raise",
+                       train_ratio=facts["train_data_ratio"], split="val")
+    assert (len(train), len(val)) == (24, 6)  # its split boundary falls exactly on ours
+
+    ours = datasets.load_from_disk(str(config.run_dir / "01_data" / "eval"))[0]
+    sample = val[0]
+    assert sample["input_ids"].tolist() == ours["input_ids"]
+    assert sample["loss_mask"].tolist() == ours["loss_mask"]
+    n_aux = len(TINY["aux_layer_ids"])
+    assert sample["hidden_states"].shape == (len(ours["input_ids"]), n_aux * TINY["hidden"])
+    assert sample["verifier_last_hidden_states"].shape == (len(ours["input_ids"]), TINY["hidden"])
+
+    from eagle3_pipeline.hidden_states_store import open_reader
+
+    reader, _ = open_reader(config.run_dir / "02_hidden_states")
+    aux, final = reader.get(ours["id"])
+    assert torch.equal(sample["hidden_states"], aux.flatten(1))
+    assert torch.equal(sample["verifier_last_hidden_states"], final)
+    shifted = shift_batch(sample)  # speculators' row t = token t+1, states t: the rows our 04 builds
+    assert shifted["input_ids"].shape[0] == len(ours["input_ids"]) - 1
+
+
+def test_token_budget_match(tmp_path):
+    config, _ = tiny_run(tmp_path)
+    facts = write_dataset(config.run_dir, tmp_path / "spec")
+    rows = train_batches(tmp_path / "spec", 256, facts["train_data_ratio"], seed=0, epochs=3)
+    per_epoch = train_batches(tmp_path / "spec", 256, facts["train_data_ratio"], seed=0, epochs=1)
+    assert sum(per_epoch) == sum(len(s) - 1 for s in datasets.load_from_disk(str(config.run_dir / "01_data" / "train"))["input_ids"])
+    steps, tokens = matched_steps(rows, 2 * sum(per_epoch))
+    assert tokens == sum(rows[:steps]) and abs(tokens - 2 * sum(per_epoch)) <= max(rows)
+    assert spread([1.0, 3.0])["mean"] == 2.0
