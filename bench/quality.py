@@ -319,14 +319,6 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list[list
     return result
 
 
-def eval_prompts(config) -> list[list[int]]:
-    """06's eval prompts (validate/stage.py `eval_prompts`): 01's eval split `prompt_ids`, the first max_prompts."""
-    import datasets
-
-    split = datasets.load_from_disk(str(Path(config.run_dir) / "01_data" / "eval"))
-    return [list(ids) for ids in split["prompt_ids"][: config.validate_.max_prompts]]
-
-
 # ------------------------------------------------------------------------------------------------ report
 def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
     trainers = list(dict.fromkeys(r["trainer"] for r in records))
@@ -595,6 +587,8 @@ def main() -> None:
         clock.say("--train-only: trainings done")
         return
     shared_eval(args, clock, shared, records, config)
+
+    from eagle3_pipeline.validate.stage import eval_prompts  # 06's prompts: 01's eval split, first max_prompts
 
     prompts = eval_prompts(config)
     for record in records:
