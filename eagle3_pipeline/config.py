@@ -35,6 +35,10 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
     enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    cpu_reserved_cores: int | None = Field(
+        None, ge=0, description="vLLM CPU only: cores kept free of its OpenMP workers (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+        "null = vLLM's default (one per worker); 0 = every core, fastest on a machine running nothing else",
+    )
 
 
 class TargetConfig(Section):

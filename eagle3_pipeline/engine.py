@@ -7,14 +7,16 @@ guard in the script that starts it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
 
-# On a CPU-only machine the KV cache lives in host memory; vLLM's default is sized for servers.
-CPU_KV_CACHE_GIB = "2"
+# On a CPU-only machine the KV cache lives in host memory. An explicit size: vLLM's default is sized for
+# servers, and an explicit size skips its free-memory check, which other jobs on a shared machine can fail.
+CPU_KV_CACHE_BYTES = 2 * 2**30
 
 
 def on_cpu() -> bool:
@@ -27,7 +29,14 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
     engine = engine or target.engine
     if on_cpu():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+        if engine.cpu_reserved_cores is not None:  # read by the engine process vLLM spawns below
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
+        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
+            # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
+            # the target then runs the same attention in its expanded (non-MLA) form
+            os.environ["VLLM_MLA_DISABLE"] = "1"
+            print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
     from vllm import LLM
 
     settings = dict(
@@ -44,3 +53,8 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     )
     settings.update(llm_kwargs)
     return LLM(**settings)
+
+
+def is_mla(model_dir: Path) -> bool:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return "kv_lora_rank" in config.get("text_config", config)

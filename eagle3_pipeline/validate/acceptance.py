@@ -13,17 +13,14 @@ Callers need a `__main__` guard: vLLM spawns its engine process.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.engine import on_cpu, start_engine
+from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
 
-CPU_KV_CACHE_BYTES = 256 * 2**20  # explicit on a shared CPU machine: skips vLLM's free-memory check
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
@@ -62,9 +59,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_d
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    settings = engine_settings(config, model_dir)
+    settings = {}
     if k:
-        settings |= {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": PROBE}
+        settings = {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": PROBE}
     llm = start_engine(config.target, model_dir, disable_log_stats=False, **settings)
     try:
         run = EngineRun(k, [], 0.0)
@@ -82,23 +79,6 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_d
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-
-
-def engine_settings(config: RunConfig, model_dir: Path) -> dict:
-    """What the CPU backend needs beyond the run's engine settings."""
-    if not on_cpu():
-        return {}
-    if is_mla(model_dir):
-        # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
-        # the target then runs the same attention in its expanded (non-MLA) form
-        os.environ["VLLM_MLA_DISABLE"] = "1"
-        print("06_validate: MLA target on CPU with a Llama-style draft: VLLM_MLA_DISABLE=1")
-    return {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
-
-
-def is_mla(model_dir: Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return "kv_lora_rank" in config.get("text_config", config)
 
 
 def record_weights(run: EngineRun, reports: list[dict]) -> None:

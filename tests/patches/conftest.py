@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
 from tests.patches.vllm_source import Source, unpacked_vllm
 
 # Released vLLMs whose source the anchors are checked in (the patches' `versions`): 0.16.0 by default.
@@ -32,7 +33,7 @@ def running_llm(model_dir, **settings):
 
     # An explicit KV cache size also skips the CPU backend's check that most of the machine's memory is
     # free, which fails on a shared machine.
-    llm = LLM(model=str(model_dir), seed=0, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20, **settings)
+    llm = LLM(model=str(model_dir), seed=0, max_num_seqs=4, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, **settings)
     try:
         yield llm
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
 from tests.conftest import run_python
 
 
@@ -65,7 +66,7 @@ def _generate(model_dir: str, request_path: str, out_path: str) -> None:
         model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
         # An explicit KV cache size skips the CPU backend's start-up check that 92% of the NUMA node's
         # memory is free, which fails on a machine shared with other processes.
-        kv_cache_memory_bytes=256 * 2**20,
+        kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
         **request["engine"],
     )
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)

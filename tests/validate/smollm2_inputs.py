@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from eagle3_pipeline.data.sources import HUMANEVAL_REQUEST
+from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
 from eagle3_pipeline.hidden_states_store import SampleStates
 from tests.conftest import run_python
 from tests.train.fabricate import cached_inputs
@@ -42,7 +43,7 @@ def _generate(model_dir: str, count: str, max_tokens: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0,
-              kv_cache_memory_bytes=256 * 2**20)  # explicit: skips the free-memory check on a shared machine
+              kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)  # explicit: skips the free-memory check on a shared machine
     chats = [[{"role": "user", "content": HUMANEVAL_REQUEST + f"```python\n{p['prompt']}```"}]
              for p in list(read_problems().values())[: int(count)]]
     results = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=int(max_tokens)), use_tqdm=False)
