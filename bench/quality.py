@@ -23,7 +23,7 @@ Work is kept under --run-dir (default runs/bench_quality): a rerun skips what is
 cached in bench_*.json files); --force-train retrains and remeasures. Options:
 
     --seeds 0 1  --ks 3 5  --max-prompts 32  --max-tokens 64  --config configs/demo.yaml
-    --max-steps 48                   the training budget: our optimizer steps of one 1024-row pack (speculators
+    --max-steps 128                  the training budget: our optimizer steps of one 1024-row pack (speculators
                                      gets the same tokens); 'config' = the config's train.max_steps
     --reuse-01 runs/demo/01_data     copy a finished 01_data of the same config instead of generating it
     --variants NAME ... [--variant-seeds 0 --variant-ks 3]   ablations (see ABLATIONS), measured like the two
@@ -71,9 +71,11 @@ class Clock:
     def __init__(self):
         self.start = time.perf_counter()
         self.phases: dict[str, float] = {}
+        self.load_averages: list[float] = []  # 1-minute load average at the end of each phase
 
     def phase(self, name: str, seconds: float) -> None:
         self.phases[name] = round(self.phases.get(name, 0.0) + seconds, 1)
+        self.load_averages.append(round(os.getloadavg()[0], 2))  # wall times only compare on a quiet machine
         print(f"[bench {time.perf_counter() - self.start:7.0f} s] {name}: {seconds:.0f} s", flush=True)
 
     def say(self, text: str) -> None:
@@ -422,8 +424,9 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`  ",
         f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
-        f"its phases: stages 01-03, 4 trainings, {len(report['ks']) * len(report['seeds']) * 2} vLLM engine runs, "
-        f"shared eval; shared 2-core machine under other jobs' load); this invocation "
+        f"its phases: stages 01-03, {2 * len(report['seeds'])} trainings, {len(report['ks']) * len(report['seeds']) * 2} vLLM engine runs, "
+        f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
+        f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
         f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(
             f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min" for i in report.get("invocations", [])) + "); target " f"{report['target']}; seeds "
         f"{report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, greedy, "
@@ -532,7 +535,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_quality"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
-    parser.add_argument("--max-steps", default="48", help="optimizer steps of our trainer (1024-row packs; speculators "
+    parser.add_argument("--max-steps", default="128", help="optimizer steps of our trainer (1024-row packs; speculators "
                         "gets the same tokens): the bench's training budget, sized for 45 minutes on 2 CPU cores; "
                         "'config' = the config's train.max_steps")
     parser.add_argument("--max-prompts", type=int, default=32)
@@ -601,7 +604,9 @@ def main() -> None:
         "command": "HF_HUB_OFFLINE=1 .venv/bin/python bench/quality.py " + " ".join(sys.argv[1:]),
         "target": "SmolLM2-135M-Instruct (stand-in)", "config": str(args.config), "seeds": args.seeds, "ks": args.ks,
         "eval_prompts": len(prompts), "max_tokens": args.max_tokens, "ttt_steps": config.train.ttt_steps,
-        "wall_time_s": clock.phases,
+        "wall_time_s": clock.phases, "run_dir": str(args.run_dir),
+        "machine": {"cpus": os.cpu_count(), "load_min": min(clock.load_averages, default=0.0),
+                    "load_max": max(clock.load_averages, default=0.0), "load_at_phase_ends": clock.load_averages},
         "work_s": work_seconds(stage_seconds, records, clock.phases.get("shared teacher-forced eval", 0.0)),
         "draft_shape": config.section("draft"),
         "results": results,
@@ -612,6 +617,8 @@ def main() -> None:
     }
     # every invocation that wrote this report, with its wall time (a rerun reuses the cached work of earlier ones)
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if previous.get("run_dir") != report["run_dir"]:  # another config's report: its invocations are not this one's
+        previous = {}
     invocations = previous.get("invocations") or ([{"command": previous["command"], "wall_s": previous["wall_time_s"]["total"]}]
                                                   if "wall_time_s" in previous else [])
     report["invocations"] = invocations + [{"command": report["command"], "wall_s": clock.phases["total"]}]
@@ -633,10 +640,6 @@ NOTES: list[str] = [
     "speculators defaults kept: Muon (2-D weights, lr 1e-3, momentum 0.95, wd 0.1) + AdamW (lr 1e-3, wd 0.01), "
     "linear schedule with 1% warmup, kl_div loss, 3 TTT steps, loss decay 1.0, norm_before_fc, norm_output, "
     "norm_before_residual, frozen lm_head, sliding window 2048 (no effect at <= 1024 tokens), 1 layer, seed as given.",
-    "Wall times are of a 2-core machine shared with other engineers' jobs (load average 4-9 during the run): a "
-    "trainer's wall time varies 2x between seeds with the load; ablations were trained while the main comparison's "
-    "vLLM runs were going, so their wall times are not comparable. train_cpu_s (CPU seconds) is recorded for runs "
-    "made by this version of the bench.",
     "speculators deviations (CPU only): --draft-attn-impl sdpa, --loss-implementation eager (same KL, no Triton), "
     "--num-workers 0, --hidden-states-dtype float32 (our CPU precision; its default bf16 autocast), and three "
     "monkeypatches in bench/speculators_trainer.py (device 'cpu' instead of cuda:0, autocast device, no "
