@@ -63,6 +63,9 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "speculators+adamw+refnorms": ("speculators", ["--optimizer", "adamw", "--no-norm-before-fc", "--no-norm-output",
                                                    "--no-norm-before-residual"]),
     "ours+normres": ("ours", ["draft.norm_before_residual=true"]),  # speculators' norm_before_residual default
+    # speculators' three norm defaults (the reverse of speculators+refnorms); vLLM reads them from config.json
+    "ours+specnorms": ("ours", ["draft.norm_before_fc=true", "draft.norm_output=true",
+                                "draft.norm_before_residual=true"]),
 }
 
 

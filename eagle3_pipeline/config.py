@@ -155,6 +155,11 @@ class DraftConfig(Section):
     max_position_embeddings: int = Field(ge=1, description="at least the serving max_model_len")
     rms_norm_eps: float = Field(1e-6, gt=0)
     norm_before_residual: bool = Field(False, description="false = reference: residual is taken before hidden_norm")
+    # Off in the reference layout; speculators' trainer turns both on. vLLM reads both from config.json.
+    norm_before_fc: bool = Field(False, description="true = an RMSNorm (input_norm) over the concatenated aux "
+                                 "states before fc; false = reference")
+    norm_output: bool = Field(False, description="true = each later TTT step reads the normed hidden state; "
+                              "false = reference: the state before the final norm")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> DraftConfig:

@@ -10,9 +10,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import export
+from eagle3_pipeline.config import load_config
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.stage_io import StageError, read_manifest
-from eagle3_pipeline.validate.spec import read_spec
+from eagle3_pipeline.validate.spec import draft_fields, read_spec, run_spec
 from tests.conftest import CONFIGS, run_python
 from tests.validate.runs import trained_tiny_run
 
@@ -23,6 +24,21 @@ JUSTIFIED = {
     # for the speculators format, so the explicit value removes the doubt (same semantics as the reference)
     "norm_before_residual": False,
 }
+
+
+def test_norm_knobs_reach_the_export_config_and_tensors():
+    """speculators' norm options, off in the reference: when on, vLLM must read them from the export."""
+    knobs = ["draft.norm_before_fc=true", "draft.norm_output=true"]
+    config = load_config(CONFIGS / "tiny_kimi.yaml", knobs)
+    aux_width = 3 * config.draft.hidden_size
+    for fmt in ("reference", "speculators"):
+        spec = run_spec(config, fmt)
+        assert (spec.config["norm_before_fc"], spec.config["norm_output"]) == (True, True), fmt
+        assert spec.tensors["input_norm.weight"] == {"shape": [aux_width], "dtype": "bfloat16"}, fmt
+    draft, _, _ = draft_fields(run_spec(config, "reference").config)
+    assert draft.norm_before_fc and draft.norm_output
+    plain = run_spec(load_config(CONFIGS / "tiny_kimi.yaml"), "reference")  # the reference layout leaves them out
+    assert not {"norm_before_fc", "norm_output"} & plain.config.keys() and "input_norm.weight" not in plain.tensors
 
 
 def test_spec_only_kimi_equals_the_reference_except_the_listed_fields(tmp_path):

@@ -10,7 +10,8 @@ Architecture (speculators 0.9.0 classes, every shape from the `draft:` config, n
     frozen        embed_tokens, verifier_norm, verifier_lm_head (the t2d rows of the target's lm_head)
 
 Where speculators 0.9.0's trainer differs from the reference (AQ-MedAI/Kimi-K25-eagle3, what vLLM runs) we
-override: `norm_before_fc`, `fc_norm`, `norm_output` off (its CLI turns them on), no sliding window (a plain
+override: `norm_before_fc`, `fc_norm`, `norm_output` off (its CLI turns them on; the first and last are
+`draft:` knobs, exported to config.json, which vLLM reads), no sliding window (a plain
 LlamaConfig has none), lm_head trained (speculators freezes it) and initialised from the verifier's rows.
 
 Replaced: `Eagle3DraftModel.forward`. `Eagle3Draft.forward` below is our training-time-test unroll, because
@@ -64,7 +65,7 @@ class Eagle3Draft(Eagle3DraftModel):
         masks = ttt_masks(document_ids, ttt_steps, self.config.transformer_layer_config._attn_implementation)
         with torch.no_grad():
             target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)))
-        hidden = self.fc(aux)
+        hidden = self.fc(aux if self.input_norm is None else self.input_norm(aux))
         cache = DynamicCache()
         tokens, loss, stats = input_ids, 0.0, []
         for step in range(ttt_steps):
@@ -76,7 +77,10 @@ class Eagle3Draft(Eagle3DraftModel):
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask=masks[step], position_ids=positions,
                                past_key_values=cache, position_embeddings=rope)
-            logits = self.lm_head(self.norm(hidden))
+            normed = self.norm(hidden)
+            if self.config.norm_output:  # the next step reads the normed state (vLLM: norm_output)
+                hidden = normed
+            logits = self.lm_head(normed)
             step_loss, step_stats = target.distill(logits, loss_mask, document_ids, step)
             loss = loss + step_weights[step] * step_loss
             stats.append(step_stats)
@@ -132,9 +136,9 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
         transformer_layer_config=layer_config,
         draft_vocab_size=draft.draft_vocab_size,
         norm_before_residual=draft.norm_before_residual,
-        norm_before_fc=False,
+        norm_before_fc=draft.norm_before_fc,
         fc_norm=False,
-        norm_output=False,
+        norm_output=draft.norm_output,
         embed_requires_grad=False,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
     )

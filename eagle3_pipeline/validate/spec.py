@@ -73,7 +73,8 @@ def aux_layer_ids(config: RunConfig, facts: dict[str, Any]) -> list[int]:
 
 # ------------------------------------------------------------------------------------------- config.json
 def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[int], serving_len: int) -> dict:
-    """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly."""
+    """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly (and
+    `norm_before_fc` / `norm_output` when on)."""
     return {
         "architectures": [REFERENCE_ARCHITECTURE],
         "model_type": "llama",
@@ -100,6 +101,8 @@ def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[in
         # vLLM reads an absent field as false for this format, but as true for the speculators format:
         # written out, nobody has to know which default applies
         "norm_before_residual": draft.norm_before_residual,
+        # off in the reference, which leaves them out; written only when on
+        **{flag: True for flag in ("norm_before_fc", "norm_output") if getattr(draft, flag)},
     }
 
 
@@ -139,6 +142,8 @@ def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
         rope_theta=layer.get("rope_theta", rope.get("rope_theta", 1e6)),
         max_position_embeddings=layer["max_position_embeddings"], rms_norm_eps=layer["rms_norm_eps"],
         norm_before_residual=bool(config_json.get("norm_before_residual", False)),
+        norm_before_fc=bool(config_json.get("norm_before_fc", False)),
+        norm_output=bool(config_json.get("norm_output", False)),
     )
     return draft, list(aux or [0, 1, 2]), layer["vocab_size"]  # no ids: vLLM's default of 3 aux states
 

@@ -54,12 +54,13 @@ def test_speculators_defaults_are_overridden_to_the_reference_semantics():
 HIDDEN, VOCAB, DRAFT_VOCAB, AUX = 32, 96, 48, 3
 DRAFT = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=64, draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0, rope_scaling=None,
-                        max_position_embeddings=256, rms_norm_eps=1e-6, norm_before_residual=False)
+                        max_position_embeddings=256, rms_norm_eps=1e-6, norm_before_residual=False,
+                        norm_before_fc=False, norm_output=False)
 
 
-def tiny_model(attention: str = "sdpa"):
+def tiny_model(attention: str = "sdpa", **flags):
     torch.manual_seed(0)
-    model = build_draft(DRAFT, [1, 2, 3], VOCAB, attention).double()
+    model = build_draft(SimpleNamespace(**{**vars(DRAFT), **flags}), [1, 2, 3], VOCAB, attention).double()
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[torch.randperm(VOCAB)[:DRAFT_VOCAB]] = True
     d2t = t2d.nonzero().squeeze(1) - torch.arange(DRAFT_VOCAB)
@@ -109,25 +110,33 @@ def drafted_logits(model, batch, row: int, ttt_steps: int):
 
     layer, cache = model.layers[0], DynamicCache()
     ids, positions = batch["input_ids"][:, : row + 1], batch["position_ids"][:, : row + 1]
-    hidden = torch.cat([model.embed_tokens(ids), model.fc(batch["aux"][:, : row + 1])], dim=-1)
+    aux = batch["aux"][:, : row + 1]
+    hidden = torch.cat([model.embed_tokens(ids), model.fc(aux if model.input_norm is None else model.input_norm(aux))],
+                       dim=-1)
     implementation = model.config.transformer_layer_config._attn_implementation
     causal = ttt_masks(torch.zeros(1, row + 1, dtype=torch.long), 1, implementation)[0]  # one document
     hidden = layer(hidden, attention_mask=causal, past_key_values=cache,
                    position_embeddings=model.rotary_emb(hidden, positions))[:, -1:]
-    logits = [model.lm_head(model.norm(hidden))]
+    normed = model.norm(hidden)
+    logits = [model.lm_head(normed)]
+    hidden = normed if model.config.norm_output else hidden  # what vLLM hands the next step
     for step in range(1, ttt_steps):
         token = batch["input_ids"][:, row + step: row + step + 1]  # the token drafted (and accepted) before
         position = batch["position_ids"][:, row: row + 1] + step
         hidden = torch.cat([model.embed_tokens(token), hidden], dim=-1)
         hidden = layer(hidden, attention_mask=None, past_key_values=cache,
                        position_embeddings=model.rotary_emb(hidden, position))
-        logits.append(model.lm_head(model.norm(hidden)))
+        normed = model.norm(hidden)
+        logits.append(model.lm_head(normed))
+        hidden = normed if model.config.norm_output else hidden
     return [lg[0, -1] for lg in logits]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_ttt_forward_equals_step_by_step_drafting(attention):
-    model = tiny_model(attention)
+@pytest.mark.parametrize("attention,flags", [("sdpa", {}), ("eager", {}),
+                                             ("sdpa", {"norm_before_fc": True, "norm_output": True})])
+def test_ttt_forward_equals_step_by_step_drafting(attention, flags):
+    model = tiny_model(attention, **flags)
+    assert (model.input_norm is not None) == bool(flags)
     batch = packed([20], 24)
     with torch.no_grad():
         trained, _, _ = step_logits(model, batch)
