@@ -40,7 +40,8 @@ class StageError(Exception):
 class StageSpec:
     name: str  # folder under run_dir
     script: str  # the numbered entry point that produces it
-    sections: tuple[str, ...]  # config sections whose values change this stage's output
+    sections: tuple[str, ...]  # config sections ("draft") or single keys ("draft.draft_vocab_size") whose
+    # values change this stage's output
     inputs: tuple[str, ...]  # earlier stages it reads
 
 
@@ -49,12 +50,21 @@ STAGES: dict[str, StageSpec] = {
     for spec in (
         StageSpec("01_data", "01_prepare_data.py", ("target", "data"), ()),
         StageSpec("02_hidden_states", "02_generate_hidden_states.py", ("target", "capture"), ("01_data",)),
-        StageSpec("03_vocab", "03_build_vocab_map.py", ("vocab", "draft"), ("01_data",)),
+        StageSpec("03_vocab", "03_build_vocab_map.py", ("vocab", "draft.draft_vocab_size"), ("01_data",)),
         StageSpec("04_train", "04_train.py", ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab")),
         StageSpec("05_export", "05_export.py", ("export",), ("04_train",)),
         StageSpec("06_validate", "06_validate.py", ("validate",), ("05_export",)),
     )
 }
+
+
+def config_values(config: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The values a stage depends on, from a resolved config as plain data: whole sections or `section.key`."""
+    values = {}
+    for name in names:
+        section, _, key = name.partition(".")
+        values[name] = (config.get(section) or {}).get(key) if key else config.get(section)
+    return values
 
 
 def fingerprint(data: Any) -> str:
@@ -133,7 +143,8 @@ class Stage:
         self.run_dir = Path(config.run_dir)
         self.dir = self.run_dir / name
         self.force = force
-        self.fingerprint = fingerprint({s: config.section(s) for s in self.spec.sections})
+        self.resolved = config.model_dump(mode="json", by_alias=True)
+        self.fingerprint = fingerprint(config_values(self.resolved, self.spec.sections))
         self.started_at = time.time()
         self.timings: dict[str, float] = {}
 
@@ -154,9 +165,10 @@ class Stage:
             manifest = read_manifest(self.run_dir / name)
             if manifest is None:
                 raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
-            expected = fingerprint({s: self.config.section(s) for s in spec.sections})
-            if manifest.get("fingerprint") != expected:
-                changed = [s for s in spec.sections if manifest.get("config", {}).get(s) != self.config.section(s)]
+            current = config_values(self.resolved, spec.sections)
+            if manifest.get("fingerprint") != fingerprint(current):
+                recorded = config_values(manifest.get("config", {}), spec.sections)
+                changed = [s for s in spec.sections if recorded[s] != current[s]]
                 raise StageError(
                     f"{name} was produced under a different config (changed: {', '.join(changed) or 'unknown'}): "
                     f"{self._rerun_hint(spec)} --force"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.stage_io import MANIFEST, STAGES, atomic_path, read_manifest
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.stage_io import MANIFEST, STAGES, Stage, atomic_path, read_manifest
 from tests.conftest import CONFIGS, run_python
 
 
@@ -109,3 +110,15 @@ def test_every_stage_reads_only_earlier_stages():
     assert order == sorted(order)
     for position, spec in enumerate(STAGES.values()):
         assert all(order.index(name) < position for name in spec.inputs), spec.name
+
+
+def test_a_stage_named_on_single_keys_ignores_the_rest_of_their_section(tmp_path):
+    """03 reads only draft.draft_vocab_size of the draft section: a norm option changes 04, not 03."""
+    def fingerprints(*overrides):
+        config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}", *overrides])
+        return Stage(config, "03_vocab").fingerprint, Stage(config, "04_train").fingerprint
+
+    base, norm_option, vocab = fingerprints(), fingerprints("draft.norm_output=true"), \
+        fingerprints("draft.draft_vocab_size=2048")
+    assert norm_option[0] == base[0] and norm_option[1] != base[1]
+    assert vocab[0] != base[0] and vocab[1] != base[1]

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from eagle3_pipeline.stage_io import STARTED, Stage, StageError, fingerprint, write_json_atomic
+from eagle3_pipeline.stage_io import STARTED, Stage, StageError, config_values, fingerprint, write_json_atomic
 from eagle3_pipeline.train.draft_model import FROZEN
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -115,8 +115,8 @@ def adopt_split(stage: Stage, packs_per_step: int) -> None:
     split = {key: state[key] for key in ("micro_batch_size", "grad_accumulation") if key in state}
     if recorded.get("fingerprint") == stage.fingerprint or len(split) < 2:  # same config, or an older checkpoint
         return
-    sections = {name: stage.config.section(name) for name in stage.spec.sections}
-    sections["train"] |= split
+    sections = config_values(stage.resolved, stage.spec.sections)  # 04's are whole sections, train among them
+    sections["train"] = sections["train"] | split  # a new dict: stage.resolved stays as loaded
     if fingerprint(sections) != recorded.get("fingerprint"):
         return  # something besides the split changed: Stage.begin refuses, as for any other config change
     if state["packs_per_step"] != packs_per_step:
