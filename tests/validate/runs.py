@@ -16,7 +16,7 @@ import yaml
 
 from eagle3_pipeline.config import RunConfig, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stage_io import MANIFEST, atomic_path
+from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, fingerprint
 from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
@@ -56,9 +56,13 @@ def cached_run(tmp_path: Path, key: str, config_name: str, train: dict, validate
     """A run finished up to 04, built once by `build(config)` into the cache, copied under tmp_path.
 
     The copy is a complete run: stage fingerprints cover config sections, never run_dir, and every manifest
-    travels with the folder it describes. Bump the version inside `key` when `build` changes.
+    travels with the folder it describes. The cache folder is keyed on the stages' fingerprints too, so a
+    config that changed (a new field, say) builds afresh. Bump the version inside `key` when `build` changes.
     """
-    cached = cache_dir() / "test_runs" / key
+    config, _ = stand_in_config(tmp_path / "key", config_name, train, validate)
+    built = ("01_data", "02_hidden_states", "03_vocab", "04_train")
+    stages = fingerprint([Stage(config, name).fingerprint for name in built])
+    cached = cache_dir() / "test_runs" / f"{key}-{stages}"
     if not (cached / "04_train" / MANIFEST).exists():
         with atomic_path(cached) as building:
             build(stand_in_config(tmp_path / "build", config_name, train, validate, run_dir=building)[0])
