@@ -65,7 +65,7 @@ class EvalRows:
             self.rows.aux_width, self.rows.hidden_size = aux_width, hidden_size
             self._batches = []
             for pack in self.packs:
-                rows = self.rows[pack]
+                rows = self.rows[None, pack]
                 self._batches.append({k: v.unsqueeze(0).float() if v.is_floating_point() else v.unsqueeze(0)
                                       for k, v in rows.items()})
         return self._batches

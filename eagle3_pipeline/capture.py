@@ -5,19 +5,26 @@ Work is cut into shards of `capture.samples_per_shard` samples in a fixed order 
 work with no overlap and no coordination. A shard counts as done only once its file verifies (readable,
 expected tokens, shapes, dtype) and its index part is written; a rerun skips done shards and redoes the
 rest. The job that finds every shard done writes `index.json` and the manifest.
+
+With `capture.mode: stream` only the eval split goes into shards; the train split is captured while 04 trains,
+pack by pack in 04's order, through a bounded window (stream.py). The job that completes the eval shards opens
+the stream (`stream.json`: 04 starts on it), and the stage finishes when 04 has finished.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from eagle3_pipeline import hidden_states_store as store
+from eagle3_pipeline import stream
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
 from eagle3_pipeline.stand_ins import target_path
@@ -27,6 +34,7 @@ LAYER_ID_CONVENTION = (
     "Hugging Face output_hidden_states[i]; `final` is the last decoder layer's output before the final norm"
 )
 SPLITS = ("train", "eval")
+ITEM_HEADER_BYTES = 4096  # a stream item's safetensors header and metadata, at most (estimates only)
 
 
 @dataclass(frozen=True)
@@ -84,15 +92,6 @@ def shard_is_done(stage: Stage, plan: ShardPlan, num_aux: int, hidden_size: int,
     return store.verify_shard(stage.path(plan.file), plan.tokens, num_aux, hidden_size, dtype) is None
 
 
-def check_disk(stage: Stage, tokens: int, per_token: int, ignore: bool) -> None:
-    needed = tokens * per_token
-    free = shutil.disk_usage(stage.dir).free
-    print(f"disk: {tokens:,} tokens x {per_token:,} B/token = {needed / 2**30:.2f} GiB needed, {free / 2**30:.1f} GiB free")
-    if needed > free and not ignore:
-        raise StageError(f"{stage.dir}: not enough free disk ({free / 2**30:.1f} GiB < {needed / 2**30:.2f} GiB); "
-                         "free space, or pass --ignore-disk-check")
-
-
 def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards: int = 1,
         ignore_disk_check: bool = False) -> None:
     stage = Stage(config, "02_hidden_states", force=force)
@@ -107,35 +106,85 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     aux_layer_ids = config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
     if max(aux_layer_ids) >= num_layers:
         raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
-    dtype = config.capture.dtype
-    print(f"aux layers {aux_layer_ids} + final (layer {num_layers} output), hidden {hidden_size}, {dtype}")
+    dtype, streaming = config.capture.dtype, config.capture.mode == "stream"
+    print(f"aux layers {aux_layer_ids} + final (layer {num_layers} output), hidden {hidden_size}, {dtype}, "
+          f"{config.capture.mode} mode")
 
     with stage.timed("load_samples"):
-        plans = plan_shards(load_samples(stage.input_dir("01_data")), config.capture.samples_per_shard)
+        samples = load_samples(stage.input_dir("01_data"))
+    # Offline, every sample goes into shards; streaming, only the eval split (04 evaluates on it again and again).
+    plans = plan_shards([s for s in samples if not streaming or s.split == "eval"], config.capture.samples_per_shard)
     mine = [p for p in plans if p.number % num_shards == shard_index]
     todo = [p for p in mine if not shard_is_done(stage, p, len(aux_layer_ids), hidden_size, dtype)]
     per_token = store.bytes_per_token(len(aux_layer_ids), hidden_size, dtype)
     print(f"shards: {len(plans)} in all, {len(mine)} for job {shard_index}/{num_shards}, {len(todo)} to capture")
-    check_disk(stage, sum(p.tokens for p in todo), per_token, ignore_disk_check)
+    check_disk(stage, samples, todo, per_token, ignore_disk_check)
 
+    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text_config, aux_layer_ids))
     if todo:
         with stage.timed("capture"):
-            capture_shards(stage, config, model_dir, text_config, todo, aux_layer_ids)
+            capture_shards(stage, config, capturer(), hidden_size, todo, aux_layer_ids)
 
     missing = [p.file for p in plans if not shard_is_done(stage, p, len(aux_layer_ids), hidden_size, dtype)]
+    layout = {"aux_layer_ids": aux_layer_ids, "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
+              "hidden_size": hidden_size, "dtype": dtype}
     if missing:
-        print(f"job {shard_index}/{num_shards} done; {len(missing)} shards of other jobs still missing "
-              f"(the job that completes the last one writes the index)")
+        print(f"job {shard_index}/{num_shards}: {len(missing)} shards of other jobs still missing (the job that "
+              f"completes the last one writes the index{' and opens the stream' if streaming else ''})")
+    else:
+        write_index(stage, plans, layout)
+    if not streaming:
+        if not missing:
+            stage.finish(counts=shard_counts(stage, plans), extra={"layout": layout, "bytes_per_token": per_token})
         return
-    write_index_and_finish(stage, plans, aux_layer_ids, num_layers, hidden_size, per_token)
+    if not missing:
+        stage.open_stream({"layout": layout, "bytes_per_token": per_token,
+                           "pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+    with stage.timed("stream"):
+        counts = stream_packs(stage, config, capturer, [s for s in samples if s.split == "train"], layout,
+                              shard_index, num_shards)
+    if counts is not None:
+        stage.finish(counts={**shard_counts(stage, plans), "stream": counts},
+                     extra={"layout": layout, "bytes_per_token": per_token})
 
 
-def capture_shards(stage: Stage, config: RunConfig, model_dir: Path, text_config: dict, todo: list[ShardPlan],
-                   aux_layer_ids: list[int]) -> None:
+def open_capturer_for(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int]):
     from eagle3_pipeline.capture_engine import open_capturer  # imports vLLM: only where it is needed
 
-    hidden_size = text_config["hidden_size"]
-    capturer = open_capturer(config, model_dir, text_config, aux_layer_ids)
+    return open_capturer(config, model_dir, text_config, aux_layer_ids)
+
+
+def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_token: int, ignore: bool) -> None:
+    """The disk plan of both modes for this data; refuses to start when this job's part does not fit."""
+    total = sum(len(s.input_ids) for s in samples)
+    train = sum(len(s.input_ids) for s in samples if s.split == "train")
+    settings = stage.config.capture.stream
+    print(f"disk plan: offline {total:,} tokens x {per_token:,} B/token = {total * per_token / 2**30:.2f} GiB; "
+          f"stream: the eval split's {(total - train) * per_token / 2**30:.2f} GiB + a window of "
+          f"{settings.window_gb:g} GB (capture.stream.window_gb), {train:,} train tokens captured again each epoch")
+    needed = sum(p.tokens for p in todo) * per_token
+    if stage.config.capture.mode == "stream" and settings.dir is None:  # the window lives in the stage folder
+        needed += int(settings.window_gb * 1e9)
+    free = shutil.disk_usage(stage.dir).free
+    print(f"disk: this job needs {needed / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free")
+    if needed > free and not ignore:
+        raise StageError(f"{stage.dir}: not enough free disk ({free / 2**30:.1f} GiB < {needed / 2**30:.2f} GiB); "
+                         "free space, or pass --ignore-disk-check")
+
+
+def capture_checked(capturer, batch: list[Sample], num_aux: int, hidden_size: int) -> list[store.SampleStates]:
+    """The states of a batch of samples, each checked against its token count."""
+    captured = []
+    for sample, (aux, final) in zip(batch, capturer.capture([s.input_ids for s in batch])):
+        if aux.shape != (len(sample.input_ids), num_aux, hidden_size):
+            raise StageError(f"sample {sample.sample_id}: captured aux {tuple(aux.shape)} does not match "
+                             f"{len(sample.input_ids)} tokens x {num_aux} layers x {hidden_size}")
+        captured.append(store.SampleStates(sample.sample_id, aux, final))
+    return captured
+
+
+def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, todo: list[ShardPlan],
+                   aux_layer_ids: list[int]) -> None:
     batch_size = config.capture.batch_size
     total_tokens, started = sum(p.tokens for p in todo), time.perf_counter()
     with tqdm(total=total_tokens, unit="tok", desc="capture") as progress:
@@ -143,11 +192,7 @@ def capture_shards(stage: Stage, config: RunConfig, model_dir: Path, text_config
             captured = []
             for start in range(0, len(plan.samples), batch_size):
                 batch = plan.samples[start : start + batch_size]
-                for sample, (aux, final) in zip(batch, capturer.capture([s.input_ids for s in batch])):
-                    if aux.shape != (len(sample.input_ids), len(aux_layer_ids), hidden_size):
-                        raise StageError(f"sample {sample.sample_id}: captured aux {tuple(aux.shape)} does not match "
-                                         f"{len(sample.input_ids)} tokens x {len(aux_layer_ids)} layers x {hidden_size}")
-                    captured.append(store.SampleStates(sample.sample_id, aux, final))
+                captured += capture_checked(capturer, batch, len(aux_layer_ids), hidden_size)
                 progress.update(sum(len(s.input_ids) for s in batch))
             entries = store.write_shard(stage.path(plan.file), captured, config.capture.dtype)
             problem = store.verify_shard(stage.path(plan.file), plan.tokens, len(aux_layer_ids), hidden_size,
@@ -161,25 +206,51 @@ def capture_shards(stage: Stage, config: RunConfig, model_dir: Path, text_config
     print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s)")
 
 
-def write_index_and_finish(stage: Stage, plans: list[ShardPlan], aux_layer_ids: list[int], num_layers: int,
-                           hidden_size: int, per_token: int) -> None:
+def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample], layout: dict, shard_index: int,
+                 num_shards: int) -> dict | None:
+    """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
+    finished (the last one writes the manifest), else None."""
+    from eagle3_pipeline.train.data import PackStream
+
+    rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
+    packs = PackStream(rows, config.train.packed_length, config.train.seed)
+    per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+    producer = stream.Producer(stream.open_transport(config), config.capture.stream, shard_index, num_shards)
+    print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
+          f"stream into {stream.stream_dir(config)}, within {producer.share / 1e9:.3f} GB")
+
+    def item_bytes(pack: tuple[int, ...]) -> int:
+        return sum(len(train[i].input_ids) for i in pack) * per_token + ITEM_HEADER_BYTES
+
+    progress = tqdm(unit="pack", desc="stream capture")
+    while positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size):
+        batch = [train[i] for p in positions for i in packs.pack(p)]
+        captured = iter(capture_checked(capturer(), batch, len(layout["aux_layer_ids"]), layout["hidden_size"]))
+        for position in positions:
+            epoch, _ = packs.locate(position)
+            item = stream.PackItem(position, epoch, [next(captured) for _ in packs.pack(position)])
+            producer.put(position, stream.encode_item(item, layout["dtype"]), sum(s.final.shape[0] for s in item.samples))
+            progress.update()
+    progress.close()
+    if not producer.finish():
+        print(f"stream: 04_train finished; job {shard_index}/{num_shards} done, others still running (the last "
+              "one to finish writes the manifest)")
+        return None
+    totals = producer.totals()
+    print(f"stream: captured {totals['packs']:,} packs, {totals['tokens']:,} tokens; the jobs waited "
+          f"{totals['waited_s']:.1f} s in all for 04")
+    return totals
+
+
+def write_index(stage: Stage, plans: list[ShardPlan], layout: dict) -> None:
     entries, splits = {}, {}
     for plan in plans:
         for sample_id, part in json.loads(stage.path(plan.file + ".json").read_text()).items():
             splits[sample_id] = part.pop("split")
             entries[sample_id] = store.IndexEntry(**part)
-    layout = {
-        "aux_layer_ids": aux_layer_ids,
-        "final_layer_id": num_layers,
-        "layer_id_convention": LAYER_ID_CONVENTION,
-        "hidden_size": hidden_size,
-        "dtype": stage.config.capture.dtype,
-        "splits": splits,
-    }
-    store.write_index(stage.dir, entries, layout)
-    tokens = sum(p.tokens for p in plans)
-    stage.finish(
-        counts={"samples": len(entries), "shards": len(plans), "tokens": tokens,
-                "bytes_on_disk": sum(stage.path(p.file).stat().st_size for p in plans)},
-        extra={"layout": {k: v for k, v in layout.items() if k != "splits"}, "bytes_per_token": per_token},
-    )
+    store.write_index(stage.dir, entries, {**layout, "splits": splits})
+
+
+def shard_counts(stage: Stage, plans: list[ShardPlan]) -> dict:
+    return {"samples": sum(len(p.samples) for p in plans), "shards": len(plans), "tokens": sum(p.tokens for p in plans),
+            "bytes_on_disk": sum(stage.path(p.file).stat().st_size for p in plans)}

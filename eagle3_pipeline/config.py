@@ -114,6 +114,24 @@ class DataConfig(Section):
 
 
 # -------------------------------------------------------------------------------------------- capture
+class StreamConfig(Section):
+    """capture.mode stream: 02 and 04 run at once and the states pass through a bounded window."""
+
+    dir: str | None = Field(
+        None, description="folder the states pass through: local NVMe or /dev/shm on one node, a shared filesystem "
+        "(NFS, Lustre) when 02 and 04 run on different machines; null = <run_dir>/02_hidden_states/stream",
+    )
+    window_gb: float = Field(
+        4.0, gt=0, description="most GB (1e9 bytes) of captured states not yet trained on, all capture jobs together "
+        "(each job gets window_gb / num_shards); 02 waits while its share is full",
+    )
+    wait_timeout_s: float = Field(
+        1800.0, gt=0, description="a side that waits this long for the other exits 1 naming it (04 writes a "
+        "checkpoint first); rerun the side that stopped and the stream goes on",
+    )
+    poll_s: float = Field(0.2, gt=0, description="how often a waiting side looks again")
+
+
 class CaptureConfig(Section):
     aux_layer_ids: list[int] | None = Field(
         None, min_length=1, description="vLLM convention (id i = input of layer i); null = (2, L//2, L-3)"
@@ -124,6 +142,11 @@ class CaptureConfig(Section):
     )
     samples_per_shard: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
+    mode: Literal["offline", "stream"] = Field(
+        "offline", description="offline = 02 stores every sample's states, then 04 trains; stream = 02 and 04 run "
+        "at the same time, 02 capturing in 04's pack order epoch after epoch, each pack deleted once trained on",
+    )
+    stream: StreamConfig = StreamConfig()
 
     @model_validator(mode="after")
     def _valid_ids(self) -> CaptureConfig:

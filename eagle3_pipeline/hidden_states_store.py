@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.stage_io import atomic_path, write_json_atomic
 
@@ -62,8 +62,8 @@ def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
     return vectors * hidden_size * 2
 
 
-def write_shard(path: Path, samples: list[SampleStates], dtype: str) -> dict[str, IndexEntry]:
-    """Write samples into one shard atomically; return their index entries."""
+def encode_states(samples: list[SampleStates], dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors of a shard (or of a stream item) holding `samples` back to back along the token axis."""
     aux = torch.cat([s.aux for s in samples])
     final = torch.cat([s.final for s in samples])
     if dtype == "fp8":
@@ -72,34 +72,56 @@ def write_shard(path: Path, samples: list[SampleStates], dtype: str) -> dict[str
         tensors = {"aux": aux, "final": final, "aux_scale": aux_scale, "final_scale": final_scale}
     else:
         tensors = {"aux": aux.to(torch.bfloat16), "final": final.to(torch.bfloat16)}
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def decode_rows(tensors: dict[str, torch.Tensor], rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, final) of token rows `rows` in bfloat16, from tensors as `encode_states` made them."""
+    aux, final = tensors["aux"][rows], tensors["final"][rows]
+    if aux.dtype == FP8:
+        aux = dequantize_fp8(aux, tensors["aux_scale"][rows])
+        final = dequantize_fp8(final, tensors["final_scale"][rows])
+    return aux.to(torch.bfloat16), final.to(torch.bfloat16)
+
+
+def write_shard(path: Path, samples: list[SampleStates], dtype: str) -> dict[str, IndexEntry]:
+    """Write samples into one shard atomically; return their index entries."""
+    tensors = encode_states(samples, dtype)
     entries, offset = {}, 0
     for sample in samples:
         entries[sample.sample_id] = IndexEntry(path.name, offset, sample.final.shape[0])
         offset += sample.final.shape[0]
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        save_file(tensors, str(tmp))
     return entries
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], expected_tokens: int, num_aux: int, hidden_size: int,
+                  dtype: str) -> str | None:
+    """None when `tensors` hold the expected tokens, shapes and dtype, all finite; else what is wrong."""
+    want = {"aux": (expected_tokens, num_aux, hidden_size), "final": (expected_tokens, hidden_size)}
+    if dtype == "fp8":
+        want |= {"aux_scale": (expected_tokens, num_aux), "final_scale": (expected_tokens,)}
+    if set(tensors) != set(want):
+        return f"tensors {sorted(tensors)}, expected {sorted(want)}"
+    for name, shape in want.items():
+        tensor = tensors[name]
+        expected_dtype = torch.float32 if name.endswith("_scale") else STORAGE_DTYPES[dtype]
+        if tuple(tensor.shape) != shape or tensor.dtype != expected_dtype:
+            return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {expected_dtype}"
+        if not torch.isfinite(tensor.float()).all():
+            return f"{name} holds non-finite values"
+    return None
 
 
 def verify_shard(path: Path, expected_tokens: int, num_aux: int, hidden_size: int, dtype: str) -> str | None:
     """None when the shard is readable with the expected tokens, shapes and dtype; else what is wrong."""
-    want = {"aux": (expected_tokens, num_aux, hidden_size), "final": (expected_tokens, hidden_size)}
-    if dtype == "fp8":
-        want |= {"aux_scale": (expected_tokens, num_aux), "final_scale": (expected_tokens,)}
     try:
-        with safe_open(str(path), "pt") as f:
-            if set(f.keys()) != set(want):
-                return f"{path.name}: tensors {sorted(f.keys())}, expected {sorted(want)}"
-            for name, shape in want.items():
-                tensor = f.get_tensor(name)
-                expected_dtype = torch.float32 if name.endswith("_scale") else STORAGE_DTYPES[dtype]
-                if tuple(tensor.shape) != shape or tensor.dtype != expected_dtype:
-                    return f"{path.name}: {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {expected_dtype}"
-                if not torch.isfinite(tensor.float()).all():
-                    return f"{path.name}: {name} holds non-finite values"
+        tensors = load_file(str(path))
     except Exception as err:  # a truncated or corrupt file raises from the safetensors parser
         return f"{path.name}: unreadable ({err})"
-    return None
+    problem = check_tensors(tensors, expected_tokens, num_aux, hidden_size, dtype)
+    return f"{path.name}: {problem}" if problem else None
 
 
 class HiddenStatesReader:
@@ -123,11 +145,7 @@ class HiddenStatesReader:
         entry = self.index[sample_id]
         f = self._handle(entry.shard)
         rows = slice(entry.offset, entry.offset + entry.length)
-        aux, final = f.get_slice("aux")[rows], f.get_slice("final")[rows]
-        if aux.dtype == FP8:
-            aux = dequantize_fp8(aux, f.get_slice("aux_scale")[rows])
-            final = dequantize_fp8(final, f.get_slice("final_scale")[rows])
-        return aux.to(torch.bfloat16), final.to(torch.bfloat16)
+        return decode_rows({name: f.get_slice(name) for name in f.keys()}, rows)
 
 
 def write_index(folder: Path, entries: dict[str, IndexEntry], layout: dict[str, Any]) -> None:

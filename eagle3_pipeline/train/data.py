@@ -21,6 +21,7 @@ import torch
 
 from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.stream import Consumer, decode_item
 
 FIRST_FIT_WINDOW = 32  # a sample joins the first of the last 32 packs with room: bounded cost, little padding
 
@@ -93,30 +94,29 @@ class RankPacks(torch.utils.data.Sampler):
         for step in range(self.start_step, self.max_steps):
             first = step * global_batch + self.rank * self.packs_per_rank
             for position in range(first, first + self.packs_per_rank):
-                yield self.stream.pack(position)
+                yield position, self.stream.pack(position)
 
 
-def rank_share(packs: list[tuple[int, ...]], rank: int, world_size: int) -> list[tuple[int, ...]]:
-    """Every world_size-th pack from `rank`, padded with empty packs so that all ranks run as many."""
+def rank_share(packs: list[tuple[int, ...]], rank: int, world_size: int) -> list[tuple[None, tuple[int, ...]]]:
+    """Every world_size-th pack from `rank`, padded with empty packs so that all ranks run as many
+    (as (position, pack) items; eval packs have no stream position)."""
     share = packs[rank::world_size]
-    return share + [()] * (-(-len(packs) // world_size) - len(share))
+    return [(None, pack) for pack in share + [()] * (-(-len(packs) // world_size) - len(share))]
 
 
 class PackedRows(torch.utils.data.Dataset):
-    """Builds one packed row from the sample indices of a pack (01 dataset + 02 hidden states)."""
+    """Builds one packed row from a (stream position, sample indices) item: 01 dataset + 02 hidden states."""
 
     def __init__(self, dataset, states_dir: Path, capacity: int, aux_width: int, hidden_size: int):
         self.dataset, self.states_dir, self.capacity = dataset, states_dir, capacity
         self.aux_width, self.hidden_size = aux_width, hidden_size
         self._reader = None  # opened in the process that reads (data loader workers included)
 
-    def __getitem__(self, pack: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        if self._reader is None:
-            self._reader, _ = open_reader(self.states_dir)
+    def __getitem__(self, item: tuple[int | None, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        position, pack = item
         rows = _empty_rows(self.capacity, self.aux_width, self.hidden_size)
         offset = 0
-        for document, index in enumerate(pack):
-            ids, aux, final, mask = self._sample(index)
+        for document, (ids, aux, final, mask) in enumerate(self.samples(position, pack)):
             span = slice(offset, offset + len(ids) - 1)
             rows["input_ids"][span] = ids[1:]
             rows["aux"][span] = aux[:-1].flatten(1)
@@ -127,14 +127,40 @@ class PackedRows(torch.utils.data.Dataset):
             offset = span.stop
         return rows
 
-    def _sample(self, index: int):
-        sample = self.dataset[index]
-        ids = torch.tensor(sample["input_ids"], dtype=torch.long)
-        aux, final = self._reader.get(sample["id"])
-        if aux.shape[0] != len(ids):
-            raise StageError(f"sample {sample['id']}: {len(ids)} tokens in 01_data but {aux.shape[0]} captured "
-                             "states in 02_hidden_states; rerun 02 with --force")
-        return ids, aux, final, torch.tensor(sample["loss_mask"], dtype=torch.bool)
+    def samples(self, position: int | None, pack: tuple[int, ...]):
+        """(input ids, aux, final, loss mask) of each sample of the pack, from the shards of 02."""
+        if self._reader is None:
+            self._reader, _ = open_reader(self.states_dir)
+        for index in pack:
+            sample = self.dataset[index]
+            ids = torch.tensor(sample["input_ids"], dtype=torch.long)
+            aux, final = self._reader.get(sample["id"])
+            if aux.shape[0] != len(ids):
+                raise StageError(f"sample {sample['id']}: {len(ids)} tokens in 01_data but {aux.shape[0]} captured "
+                                 "states in 02_hidden_states; rerun 02 with --force")
+            yield ids, aux, final, torch.tensor(sample["loss_mask"], dtype=torch.bool)
+
+
+class StreamedRows(PackedRows):
+    """Train packs from 02's stream (capture.mode stream), each checked against this pack plan before use;
+    eval packs (no position) from 02's shards as offline."""
+
+    def __init__(self, dataset, states_dir: Path, capacity: int, aux_width: int, hidden_size: int,
+                 consumer: Consumer, layout: dict):
+        super().__init__(dataset, states_dir, capacity, aux_width, hidden_size)
+        self.consumer, self.layout = consumer, layout
+
+    def samples(self, position: int | None, pack: tuple[int, ...]):
+        if position is None:
+            yield from super().samples(position, pack)
+            return
+        rows = [self.dataset[index] for index in pack]
+        expected = [(row["id"], len(row["input_ids"])) for row in rows]
+        states = decode_item(self.consumer.get(position), position, expected, len(self.layout["aux_layer_ids"]),
+                             self.hidden_size, self.layout["dtype"])
+        for row, (aux, final) in zip(rows, states):
+            yield (torch.tensor(row["input_ids"], dtype=torch.long), aux, final,
+                   torch.tensor(row["loss_mask"], dtype=torch.bool))
 
 
 def _empty_rows(length: int, aux_width: int, hidden: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Stage 04: train the draft on the captured hidden states with training-time test; `run` reads top to bottom.
 
-Reads 01_data (token ids, loss masks), 02_hidden_states (aux and final states), 03_vocab (d2t, t2d) and three
-tensors of the target checkpoint (verifier.py). Writes 04_train/: checkpoints/step_N/ (checkpoint.py),
+Reads 01_data (token ids, loss masks), 02_hidden_states (aux and final states; with capture.mode stream, the
+train split's come through 02's stream while 02 runs: stream.py), 03_vocab (d2t, t2d) and three tensors of the
+target checkpoint (verifier.py). Writes 04_train/: checkpoints/step_N/ (checkpoint.py),
 metrics.jsonl, tensorboard/, curves.png (metrics.py), and manifest.json, whose counts hold the final eval
 accuracy per TTT step (`eval_accuracy`, a list; stage 06 compares vLLM's acceptance with its first entry).
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -22,11 +24,12 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.hidden_states_store import open_reader
-from eagle3_pipeline.stage_io import Stage, StageError
+from eagle3_pipeline.stage_io import Stage, StageError, read_proof
+from eagle3_pipeline.stream import Consumer, StreamTimeout, Waiter, open_transport
 from eagle3_pipeline.stand_ins import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
-from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, plan_packs, rank_share
+from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, StreamedRows, plan_packs, rank_share
 from eagle3_pipeline.train.draft_model import build_draft, compile_layers, load_frozen_and_vocab
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.metrics import MetricsLog, summarize
@@ -42,6 +45,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     if stage.is_complete():
         return
     packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
+    if config.capture.mode == "stream":
+        wait_for_stream(config)
     begin(stage, accelerator, resume, packs_per_step)
     set_seed(train.seed)  # identical initial weights on every process
 
@@ -58,6 +63,9 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
                          f"starts) and at most train.max_steps {train.max_steps}")
     train_batches = iter(train_loader(inputs, train, start_step, accelerator))
     describe(config, inputs, model, accelerator, packs_per_step, start_step)
+    end = train.max_steps * packs_per_step
+    if inputs.consumer and accelerator.is_main_process:  # also rewinds the capture jobs after a resume
+        inputs.consumer.advance(start_step * packs_per_step, end, packs_per_step, start_step)
 
     log = MetricsLog(stage.dir, start_step, accelerator.is_main_process)
     meter = Throughput(config, inputs.num_aux, accelerator)
@@ -67,12 +75,19 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
                     desc="04_train", dynamic_ncols=True)
     eval_values = None
     for step in range(start_step + 1, train.max_steps + 1):  # step = optimizer steps done after this one
-        packs = [next(train_batches) for _ in range(train.grad_accumulation)]
+        try:
+            packs = meter.wait_for(lambda: [next(train_batches) for _ in range(train.grad_accumulation)])
+        except StageError as err:
+            raise stopped_stream(err, stage, step - 1, start_step, model, optimizer, scheduler, accelerator,
+                                 packs_per_step, train) from None
         meter.count(packs)  # on the host copies: no device synchronisation
+        log.log_batch(step, batch_record(inputs, step, packs_per_step))
         micro_batches = [to_device(batch, accelerator.device, float_dtype) for batch in packs]
         stats, grad_norm = train_step(model, optimizer, scheduler, micro_batches, accelerator,
                                       train.ttt_steps, step_weights, train.grad_clip)
         meter.add(stats)
+        if inputs.consumer and accelerator.is_main_process:  # every rank has its packs of this step in memory
+            inputs.consumer.advance(step * packs_per_step, end, packs_per_step, step)
         progress.update()
         if step % train.log_every == 0 or step == train.max_steps:
             values = meter.report(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
@@ -83,10 +98,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             eval_values = evaluate(model, inputs, train, accelerator, step_weights, float_dtype)
             log.log(step, "eval", eval_values)
         if step % train.checkpoint_every == 0 or step in (train.max_steps, stop_at_step):
-            save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator,
-                            packs_per_step, train.keep_checkpoints, split={
-                                "processes": accelerator.num_processes, "micro_batch_size": train.micro_batch_size,
-                                "grad_accumulation": train.grad_accumulation})
+            checkpoint(stage, step, model, optimizer, scheduler, accelerator, packs_per_step, train)
         if step == stop_at_step and step < train.max_steps:
             progress.close()
             log.close()
@@ -99,6 +111,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     log.plot(stage.path("curves.png"), train.ttt_steps)
     log.close()
     if accelerator.is_main_process:
+        if inputs.consumer:
+            inputs.consumer.finish(end, packs_per_step, train.max_steps)
         stage.finish(counts=final_counts(eval_values, meter, train), extra={
             "final_checkpoint": f"checkpoints/step_{train.max_steps}",
             "aux_layer_ids": inputs.layout["aux_layer_ids"],
@@ -148,6 +162,7 @@ class Inputs:
     layout: dict
     d2t: torch.Tensor
     t2d: torch.Tensor
+    consumer: Consumer | None  # capture.mode stream: 04's side of the stream
 
     @property
     def num_aux(self) -> int:
@@ -164,19 +179,76 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
         raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
                           f"{layout['hidden_size']} (02_hidden_states): EAGLE-3 needs them equal")
     rows = {name: np.asarray(split["seq_len"], dtype=np.int64) - 1 for name, split in splits.items()}
-    _check_fits(splits, rows, reader, config.train.packed_length)
+    consumer = stream_consumer(config, states_dir)
+    # streaming, 02's shards hold the eval split only: the train split comes through the stream
+    _check_fits({k: v for k, v in splits.items() if not consumer or k == "eval"}, rows, reader,
+                config.train.packed_length)
     d2t, t2d = load_draft_vocab(stage.input_dir("03_vocab"))
 
     shape = {"capacity": config.train.packed_length, "hidden_size": layout["hidden_size"],
              "aux_width": len(layout["aux_layer_ids"]) * layout["hidden_size"]}
     has_eval = "eval" in splits and len(splits["eval"]) > 0
     return Inputs(
-        train_rows=PackedRows(splits["train"], states_dir, **shape),
+        train_rows=StreamedRows(splits["train"], states_dir, **shape, consumer=consumer, layout=layout) if consumer
+        else PackedRows(splits["train"], states_dir, **shape),
         eval_rows=PackedRows(splits["eval"], states_dir, **shape) if has_eval else None,
         train_stream=PackStream(rows["train"], config.train.packed_length, config.train.seed),
         eval_packs=plan_packs(rows["eval"], config.train.packed_length, seed=[config.train.seed]) if has_eval else [],
-        layout=layout, d2t=d2t, t2d=t2d,
+        layout=layout, d2t=d2t, t2d=t2d, consumer=consumer,
     )
+
+
+# ----------------------------------------------------------------------------------------------- stream
+def wait_for_stream(config: RunConfig) -> None:
+    """Before the input checks: 02 opens its stream (stream.json) once its eval states are written."""
+    states_dir = Path(config.run_dir) / "02_hidden_states"
+    if read_proof(states_dir) is None:
+        print(f"04_train: waiting for 02_generate_hidden_states.py to open its stream in {states_dir}", flush=True)
+        Waiter(config.capture.stream, "04_train").wait(
+            lambda: read_proof(states_dir), lambda: "02_hidden_states has not opened its stream yet",
+            lambda: None, "start 02_generate_hidden_states.py with capture.mode stream")
+
+
+def stream_consumer(config: RunConfig, states_dir: Path) -> Consumer | None:
+    """04's side of 02's stream, checked against this run's pack plan; None offline."""
+    if config.capture.mode != "stream":
+        return None
+    plan = (read_proof(states_dir) or {}).get("pack_plan")
+    wanted = {"packed_length": config.train.packed_length, "seed": config.train.seed}
+    if plan != wanted:
+        raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
+                         "train.seed): rerun 02_generate_hidden_states.py --force with this config")
+    return Consumer(open_transport(config), config.capture.stream)
+
+
+def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:
+    """The packs of a step's global batch as (position, epoch, sample ids), for metrics.jsonl."""
+    record = []
+    for position in range((step - 1) * packs_per_step, step * packs_per_step):
+        epoch, _ = inputs.train_stream.locate(position)
+        ids = list(inputs.train_rows.dataset.select(inputs.train_stream.pack(position))["id"])
+        record.append({"position": position, "epoch": epoch, "samples": ids})
+    return record
+
+
+def stopped_stream(err: StageError, stage: Stage, done_step: int, start_step: int, model, optimizer, scheduler,
+                   accelerator, packs_per_step: int, train) -> StageError:
+    """A data error (a corrupt stream item, the stream timed out), as one line; a timed-out stream leaves a
+    checkpoint of the last step done, so `--resume` loses nothing."""
+    message = str(err).strip().splitlines()[-1]  # a data loader worker wraps it in its traceback
+    message = message.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
+    if isinstance(err, StreamTimeout):
+        if done_step > start_step:
+            checkpoint(stage, done_step, model, optimizer, scheduler, accelerator, packs_per_step, train)
+        message += f" (checkpoint: step {done_step})"
+    return StageError(message)
+
+
+def checkpoint(stage: Stage, step: int, model, optimizer, scheduler, accelerator, packs_per_step: int, train) -> None:
+    save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator, packs_per_step,
+                    train.keep_checkpoints, split={"processes": accelerator.num_processes,
+                                                   "micro_batch_size": train.micro_batch_size,
+                                                   "grad_accumulation": train.grad_accumulation})
 
 
 def _check_fits(splits: dict, rows: dict, reader, packed_length: int) -> None:
@@ -265,6 +337,14 @@ class Throughput:
 
     def _reset(self) -> None:
         self.stats, self.tokens, self.keys, self.since = 0, 0, 0, time.perf_counter()
+        self.data_wait = 0.0
+
+    def wait_for(self, read_batches):
+        """The batches `read_batches()` returns, timing how long the step waited for its data."""
+        started = time.perf_counter()
+        batches = read_batches()
+        self.data_wait += time.perf_counter() - started
+        return batches
 
     def count(self, batches: list[dict]) -> None:
         for batch in batches:
@@ -281,7 +361,8 @@ class Throughput:
         seconds = time.perf_counter() - self.since
         tokens, keys = int(counts[0]), int(counts[1])
         self.total_tokens += tokens
-        values = {**summarize(stats), **extra, "tokens_per_s": tokens / seconds}
+        values = {**summarize(stats), **extra, "tokens_per_s": tokens / seconds,
+                  "data_wait_frac": self.data_wait / seconds}  # of the main process; 1.0 = training starved
         if self.peak:
             flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys)
             values["mfu"] = flops / seconds / (self.peak * self.accelerator.num_processes)

@@ -1,6 +1,8 @@
 """Training metrics: per TTT step loss and top-1 accuracy, on train and eval; written three ways.
 
-    metrics.jsonl   one JSON record per log or eval point: {"step", "split", "loss_0", "acc_0", ..., "lr", ...}
+    metrics.jsonl   one JSON record per log or eval point: {"step", "split", "loss_0", "acc_0", ..., "lr", ...},
+                    and per step the packs it trained on: {"step", "split": "batch", "packs": [{"position",
+                    "epoch", "samples"}, ...]}
     tensorboard/    the same scalars (`tensorboard --logdir <run_dir>/04_train/tensorboard`)
     curves.png      loss and accuracy per TTT step against the optimizer step, drawn at the end
 
@@ -55,15 +57,23 @@ class MetricsLog:
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
+    def _append(self, record: dict) -> None:
+        if record["split"] != "batch":  # plotted or read back; batch records are only written
+            self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def log(self, step: int, split: str, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "split": split, **values}
-        self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append({"step": step, "split": split, **values})
         for name, value in values.items():
             self.writer.add_scalar(f"{split}/{name}", value, step)
+
+    def log_batch(self, step: int, packs: list[dict]) -> None:
+        """What step `step` trained on (metrics.jsonl only: these are not scalars)."""
+        if self.enabled:
+            self._append({"step": step, "split": "batch", "packs": packs})
 
     def plot(self, path: Path, ttt_steps: int) -> None:
         """curves.png: loss and accuracy per TTT step, train lines and eval points."""

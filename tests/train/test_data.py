@@ -23,7 +23,7 @@ def test_global_batches_are_the_same_for_any_split_into_processes_and_micro_batc
     stream = PackStream(np.random.default_rng(1).integers(1, 100, 40), 128, seed=3)
 
     def consumed(world_size: int, per_rank: int, start: int = 0) -> list[set]:
-        ranks = [list(RankPacks(stream, start, 6, r, world_size, per_rank)) for r in range(world_size)]
+        ranks = [[pack for _, pack in RankPacks(stream, start, 6, r, world_size, per_rank)] for r in range(world_size)]
         return [{pack for rank in ranks for pack in rank[s * per_rank:(s + 1) * per_rank]} for s in range(6 - start)]
 
     one_process = consumed(1, 4)
@@ -36,7 +36,7 @@ def test_global_batches_are_the_same_for_any_split_into_processes_and_micro_batc
 def test_every_rank_gets_as_many_eval_packs():
     packs = [(i,) for i in range(5)]
     shares = [rank_share(packs, r, 2) for r in range(2)]
-    assert shares == [[(0,), (2,), (4,)], [(1,), (3,), ()]]
+    assert shares == [[(None, (0,)), (None, (2,)), (None, (4,))], [(None, (1,)), (None, (3,)), (None, ())]]
 
 
 def test_packed_row_is_the_shifted_samples_then_padding(tmp_path):
@@ -48,7 +48,7 @@ def test_packed_row_is_the_shifted_samples_then_padding(tmp_path):
                            torch.arange(len(s["input_ids"]) * 4, dtype=torch.float32).view(-1, 4) + 100)
               for s in samples]
     folder = write_shard_folder(tmp_path, states)
-    row = PackedRows(samples, folder, capacity=8, aux_width=8, hidden_size=4)[(1, 0)]
+    row = PackedRows(samples, folder, capacity=8, aux_width=8, hidden_size=4)[(None, (1, 0))]
     assert row["input_ids"].tolist() == [10, 11, 6, 7, 8, 0, 0, 0]
     assert row["document_ids"].tolist() == [0, 0, 1, 1, 1, -1, -1, -1]
     assert row["position_ids"].tolist() == [0, 1, 0, 1, 2, 0, 0, 0]
