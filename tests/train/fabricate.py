@@ -52,12 +52,13 @@ def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["v
     return folder
 
 
-def tiny_run_config(run_dir: Path, target_dir: Path, **train: object) -> tuple[RunConfig, Path]:
+def tiny_run_config(run_dir: Path, target_dir: Path, capture: dict | None = None,
+                    **train: object) -> tuple[RunConfig, Path]:
     """configs/demo.yaml shrunk to the tiny target; returns the config and the YAML file the scripts read."""
     tree = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     tree["run_dir"] = str(run_dir)
     tree["target"] = {"path": str(target_dir), "weight_prefix": ""}
-    tree["capture"]["aux_layer_ids"] = TINY["aux_layer_ids"]
+    tree["capture"] |= {"aux_layer_ids": TINY["aux_layer_ids"], **(capture or {})}
     tree["draft"] = {"hidden_size": TINY["hidden"], "num_attention_heads": 2, "num_key_value_heads": 1,
                      "head_dim": 32, "intermediate_size": 128, "draft_vocab_size": 128, "rope_theta": 10000.0,
                      "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}

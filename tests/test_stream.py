@@ -1,0 +1,193 @@
+"""Stream mode without vLLM: the stream's items, the window of a capture job, and 04 as the consumer of a
+stream written here from fabricated states (tiny target), against the same run done offline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.hidden_states_store import SampleStates
+from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
+from eagle3_pipeline.stream import CONSUMER, PackItem, Producer, decode_item, encode_item, open_transport
+from eagle3_pipeline.train import loop
+from eagle3_pipeline.train.data import PackStream
+from tests.train.fabricate import (
+    TINY,
+    random_samples,
+    random_states,
+    tiny_run,
+    tiny_target,
+    tiny_run_config,
+    write_data_stage,
+    write_shard_folder,
+    write_vocab_stage,
+)
+
+STREAM = {"mode": "stream", "stream": {"window_gb": 0.001, "wait_timeout_s": 3, "poll_s": 0.05}}
+
+
+def states(count: int, tokens: int = 5) -> list[SampleStates]:
+    return [SampleStates(f"s{i}", torch.randn(tokens, 3, 8), torch.randn(tokens, 8)) for i in range(count)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_an_item_decodes_to_its_samples_states(dtype):
+    samples = states(3)
+    data = encode_item(PackItem(7, 1, samples), dtype)
+    got = decode_item(data, 7, [(s.sample_id, 5) for s in samples], 3, 8, dtype)
+    for sample, (aux, final) in zip(samples, got):
+        tolerance = 0.07 if dtype == "fp8" else 0.01
+        assert torch.allclose(aux.float(), sample.aux, rtol=tolerance, atol=tolerance)
+        assert torch.allclose(final.float(), sample.final, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda data: data[: len(data) // 2], "unreadable"),
+    (lambda data: data[:100], "unreadable"),
+    (lambda data: b"", "unreadable"),
+])
+def test_a_damaged_item_fails_naming_its_samples(damage, problem):
+    samples = states(2)
+    data = damage(encode_item(PackItem(4, 0, samples), "bfloat16"))
+    with pytest.raises(StageError, match=rf"stream position 4 \(samples s0, s1\): {problem}.*not trained on"):
+        decode_item(data, 4, [("s0", 5), ("s1", 5)], 3, 8, "bfloat16")
+
+
+def test_an_item_of_other_samples_or_shapes_is_refused():
+    data = encode_item(PackItem(4, 0, states(2)), "bfloat16")
+    with pytest.raises(StageError, match="samples s0, s9.*it holds position 4"):
+        decode_item(data, 4, [("s0", 5), ("s9", 5)], 3, 8, "bfloat16")
+    with pytest.raises(StageError, match="position 5 .*it holds position 4"):
+        decode_item(data, 5, [("s0", 5), ("s1", 5)], 3, 8, "bfloat16")
+    with pytest.raises(StageError, match=r"aux is \(10, 3, 8\).*expected \(10, 2, 8\)"):
+        decode_item(data, 4, [("s0", 5), ("s1", 5)], 2, 8, "bfloat16")
+    nan = states(1)
+    nan[0].aux[2, 1, 3] = float("nan")
+    with pytest.raises(StageError, match="aux holds non-finite values"):
+        decode_item(encode_item(PackItem(0, 0, nan), "bfloat16"), 0, [("s0", 5)], 3, 8, "bfloat16")
+
+
+def test_a_capture_job_never_holds_more_than_its_share(tmp_path):
+    """Two jobs share a window of 10 items' bytes; 04 consumes slowly; every put keeps each job in its half."""
+    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [
+        f"run_dir={tmp_path}", "capture.stream.poll_s=0.01", "capture.stream.wait_timeout_s=20"])
+    item = encode_item(PackItem(0, 0, states(1)), "bfloat16")
+    window = 10 * len(item)
+    settings = config.capture.stream.model_copy(update={"window_gb": window / 1e9})
+    transport = open_transport(config)
+    end, peak = 40, [0]
+
+    def job(index: int) -> None:
+        producer = Producer(transport, settings, index, 2)
+        while positions := producer.next_positions(lambda p: (p,), lambda pack: len(item), 3):
+            for position in positions:
+                producer.put(position, item, 5)
+                peak[0] = max(peak[0], sum(transport.sizes().values()))
+        producer.finish()
+
+    jobs = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for thread in jobs:
+        thread.start()
+    from eagle3_pipeline.stream import Consumer
+
+    consumer, seen = Consumer(transport, settings), []
+    for position in range(end):
+        consumer.advance(position, end, 1, position)
+        assert sum(transport.sizes().values()) <= window
+        seen.append(consumer.get(position))
+        time.sleep(0.005)
+    consumer.finish(end, 1, end)
+    for thread in jobs:
+        thread.join(timeout=30)
+    assert len(seen) == end and all(data == item for data in seen)
+    assert 0 < peak[0] <= window and transport.sizes() == {}
+    records = [transport.read_record(f"producer-{i}-of-2") for i in range(2)]
+    assert [r["state"] for r in records] == ["finished"] * 2
+    assert sum(r["packs"] for r in records) >= end  # each position at least once (a few past the end are dropped)
+    assert all(r["max_held_bytes"] <= window // 2 for r in records)
+
+
+# ---------------------------------------------------------------------------- 04 as the stream's consumer
+def streamed_tiny_run(tmp_path: Path, name: str, **train: object):
+    """tiny_run's 01 and 03 and states, with 02 as an open stream whose eval split is in shards; returns
+    (config, stream positions -> item bytes, the pack stream)."""
+    target = tmp_path / "target"
+    if not (target / "config.json").exists():
+        tiny_target(target)
+    config, _ = tiny_run_config(tmp_path / name, target, capture=STREAM, **train)
+    train_samples = random_samples(24, TINY["vocab"], seed=1, prefix="t")
+    eval_samples = random_samples(6, TINY["vocab"], seed=2, prefix="e")
+    write_data_stage(config, train_samples, eval_samples, TINY["vocab"])
+    all_states = random_states(train_samples + eval_samples, len(TINY["aux_layer_ids"]), TINY["hidden"], seed=3)
+    write_vocab_stage(config)
+    stage = Stage(config, "02_hidden_states")
+    stage.begin()
+    write_shard_folder(stage.dir, all_states[len(train_samples):], TINY["aux_layer_ids"])
+    stage.open_stream({"pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+
+    rows = np.asarray([len(s["input_ids"]) - 1 for s in train_samples])
+    packs = PackStream(rows, config.train.packed_length, config.train.seed)
+
+    def item(position: int) -> bytes:
+        epoch, _ = packs.locate(position)
+        return encode_item(PackItem(position, epoch, [all_states[i] for i in packs.pack(position)]), "bfloat16")
+
+    return config, item, packs
+
+
+def train_records(run_dir: Path, split: str = "train") -> dict[int, dict]:
+    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
+
+
+def test_streamed_training_equals_offline_and_resumes_after_a_timeout(tmp_path):
+    """04 waits for a stream that stops at position 5, exits 1 naming 02 with a checkpoint of step 5; with the
+    rest of the stream put, --resume finishes with every step's loss bit-equal to the offline run's."""
+    offline, _ = tiny_run(tmp_path, "offline")
+    loop.run(offline)
+    config, item, _ = streamed_tiny_run(tmp_path, "streamed")
+    transport = open_transport(config)
+    for position in range(5):
+        transport.put(position, item(position))
+    started = time.monotonic()
+    with pytest.raises(StageError, match=r"02_generate_hidden_states to capture stream position 5 .*no progress "
+                                         r"for 3 s.*checkpoint: step 5"):
+        loop.run(config)
+    assert time.monotonic() - started < 60
+    assert (config.run_dir / "04_train" / "checkpoints" / "step_5").is_dir()
+    assert transport.read_record(CONSUMER)["next"] == 5 and transport.sizes() == {}  # consumed and deleted
+
+    end = config.train.max_steps
+    for position in range(5, end):
+        transport.put(position, item(position))
+    loop.run(config, resume=True)
+    want, got = train_records(offline.run_dir), train_records(config.run_dir)
+    keys = ("loss_0", "acc_0", "loss_1", "acc_1", "loss_2", "acc_2", "grad_norm")
+    assert sorted(got) == sorted(want) == list(range(1, end + 1))
+    for step in want:
+        assert {k: got[step][k] for k in keys} == {k: want[step][k] for k in keys}, step
+    assert train_records(config.run_dir, "eval") == train_records(offline.run_dir, "eval")
+    assert train_records(config.run_dir, "batch") == train_records(offline.run_dir, "batch")
+    assert transport.read_record(CONSUMER)["finished"] and transport.sizes() == {}
+    assert read_manifest(config.run_dir / "04_train") is not None
+
+
+def test_a_corrupt_item_stops_training_before_its_step(tmp_path):
+    config, item, packs = streamed_tiny_run(tmp_path, "corrupt")
+    transport = open_transport(config)
+    for position in range(config.train.max_steps):
+        data = item(position)
+        transport.put(position, data[: len(data) - 40] if position == 3 else data)
+    train = datasets.load_from_disk(str(config.run_dir / "01_data" / "train"))
+    samples = ", ".join(train.select(packs.pack(3))["id"])
+    with pytest.raises(StageError, match=rf"stream position 3 \(samples {samples}\): unreadable.*not trained on"):
+        loop.run(config)
+    assert sorted(train_records(config.run_dir)) == [1, 2, 3]  # steps 1-3 read positions 0-2; step 4 never ran
