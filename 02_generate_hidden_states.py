@@ -9,6 +9,12 @@ Writes <run_dir>/02_hidden_states/: shard_NNNNN.safetensors (aux states [T, n_au
     python 02_generate_hidden_states.py --config configs/kimi_k25.yaml --shard-index $I --num-shards $N
 
 A killed run resumes at the first shard that is not complete and verified.
+
+Stream mode (capture.mode: stream): only the eval split goes into shards; the train split is captured in 04's
+pack order into a bounded window while 04 trains (start both; README "Beyond one disk"):
+
+    python 02_generate_hidden_states.py --config configs/demo.yaml --set capture.mode=stream &
+    python 04_train.py --config configs/demo.yaml --set capture.mode=stream
 """
 
 from eagle3_pipeline import capture

@@ -10,6 +10,8 @@ Writes: <run_dir>/04_train/  checkpoints/step_N/ (model.safetensors, optimizer, 
     torchrun --nproc_per_node 2 04_train.py --config configs/demo.yaml     # 2 CPU processes (gloo)
     python 04_train.py --config configs/demo.yaml --resume                 # continue from the last checkpoint
     tensorboard --logdir runs/demo/04_train/tensorboard
+
+With capture.mode stream, start it beside 02, which feeds it while it trains (README "Beyond one disk").
 """
 
 from eagle3_pipeline.cli import run_stage, stage_parser

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
+from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.stand_ins import target_path
 
 LAYER_ID_CONVENTION = (
@@ -215,7 +215,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample],
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
     per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
-    producer = stream.Producer(stream.open_transport(config), config.capture.stream, shard_index, num_shards)
+    producer = stream.Producer(stream.open_transport(config), config.capture.stream, shard_index, num_shards,
+                               identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
           f"stream into {stream.stream_dir(config)}, within {producer.share / 1e9:.3f} GB")
 

@@ -272,6 +272,12 @@ class Stage:
         return manifest
 
 
+def stream_identity(stage_dir: Path) -> str | None:
+    """Which stream a streaming stage's folder holds (the hash of its header), or None before it opens."""
+    path = stage_dir / STREAM
+    return file_sha256(path) if path.exists() else None
+
+
 def _manifest_hash(stage_dir: Path) -> str | None:
     """The identity of a stage's output: its stream header when it streamed, else its manifest."""
     for name in (STREAM, MANIFEST):

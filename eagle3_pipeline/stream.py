@@ -9,7 +9,9 @@ streamed run trains on exactly the batches of an offline run, and each epoch is 
 Two small records coordinate the sides (the transport holds them beside the items):
 
     consumer          04's main process, after every step: the first position it still needs (`next`),
-                      the end of the run, packs per step; `finished` at the end
+                      the end of the run, packs per step; `finished` at the end; `stream`, the identity of
+                      the stream it reads (02's stream.json), so that a capture job never follows the record
+                      of another run left in a reused folder
     producer-i-of-N   each capture job: its heartbeat, position and counters
 
 Exactness under kills: 04 writes `next` before deleting the items below it, and a job lists the items present
@@ -202,10 +204,12 @@ class Waiter:
 
 # --------------------------------------------------------------------------------------------- producer
 class Producer:
-    """One capture job's side: which positions to capture next, and putting them within its share."""
+    """One capture job's side: which positions to capture next, and putting them within its share.
+    `identity()` is the stream's identity once 02 has opened it, else None."""
 
-    def __init__(self, transport: Transport, settings: StreamConfig, shard_index: int, num_shards: int):
+    def __init__(self, transport: Transport, settings: StreamConfig, shard_index: int, num_shards: int, identity):
         self.transport, self.shard_index, self.num_shards = transport, shard_index, num_shards
+        self.identity = identity
         self.share = int(settings.window_gb * 1e9) // num_shards
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
@@ -220,7 +224,7 @@ class Producer:
         """(own items held, consumer record), listed in that order (see the module docstring); own items
         below the consumer's `next` are deleted on the way (04 deletes them too; whoever comes first)."""
         sizes = {p: n for p, n in self.transport.sizes().items() if self._mine(p)}
-        consumer = self.transport.read_record(CONSUMER) or {}
+        consumer = self._consumer()
         for position in [p for p in sizes if p < consumer.get("next", 0)]:
             self.transport.delete(position)
             del sizes[position]
@@ -233,8 +237,13 @@ class Producer:
                 "share_bytes": self.share, "waited_s": round(self.waiter.waited_s, 3), **self.counts})
             self._beat_at = time.monotonic()
 
-    def _consumer_progress(self):
+    def _consumer(self) -> dict:
+        """04's record, when it is about this stream (04 starts only once the stream is open)."""
         record = self.transport.read_record(CONSUMER) or {}
+        return record if record.get("stream") is not None and record.get("stream") == self.identity() else {}
+
+    def _consumer_progress(self):
+        record = self._consumer()
         return record.get("next"), record.get("time")
 
     def next_positions(self, pack_of, bytes_of, max_samples: int) -> list[int]:
@@ -321,8 +330,8 @@ class Consumer:
     """04's side: items by position (in any process, data loader workers included) and, in the main process,
     the record that tells the capture jobs where 04 is."""
 
-    def __init__(self, transport: Transport, settings: StreamConfig):
-        self.transport, self.settings = transport, settings
+    def __init__(self, transport: Transport, settings: StreamConfig, identity: str):
+        self.transport, self.settings, self.identity = transport, settings, identity
         self.waiter = Waiter(settings, "04_train")
 
     def _producers(self):
@@ -346,13 +355,15 @@ class Consumer:
     def advance(self, next_position: int, end: int, packs_per_step: int, step: int) -> None:
         """Tell the capture jobs the first position still needed, then delete the items below it."""
         self.transport.write_record(CONSUMER, {"next": next_position, "end": end, "packs_per_step": packs_per_step,
-                                               "step": step, "time": time.time(), "pid": os.getpid()})
+                                               "step": step, "time": time.time(), "pid": os.getpid(),
+                                               "stream": self.identity})
         for position in self.transport.sizes():
             if position < next_position:
                 self.transport.delete(position)
 
     def finish(self, end: int, packs_per_step: int, step: int) -> None:
         self.transport.write_record(CONSUMER, {"next": end, "end": end, "packs_per_step": packs_per_step,
-                                               "step": step, "time": time.time(), "finished": True})
+                                               "step": step, "time": time.time(), "finished": True,
+                                               "stream": self.identity})
         for position in self.transport.sizes():
             self.transport.delete(position)

@@ -86,7 +86,7 @@ def test_a_capture_job_never_holds_more_than_its_share(tmp_path):
     end, peak = 40, [0]
 
     def job(index: int) -> None:
-        producer = Producer(transport, settings, index, 2)
+        producer = Producer(transport, settings, index, 2, identity=lambda: "stream-a")
         while positions := producer.next_positions(lambda p: (p,), lambda pack: len(item), 3):
             for position in positions:
                 producer.put(position, item, 5)
@@ -98,7 +98,7 @@ def test_a_capture_job_never_holds_more_than_its_share(tmp_path):
         thread.start()
     from eagle3_pipeline.stream import Consumer
 
-    consumer, seen = Consumer(transport, settings), []
+    consumer, seen = Consumer(transport, settings, identity="stream-a"), []
     for position in range(end):
         consumer.advance(position, end, 1, position)
         assert sum(transport.sizes().values()) <= window
@@ -191,3 +191,13 @@ def test_a_corrupt_item_stops_training_before_its_step(tmp_path):
     with pytest.raises(StageError, match=rf"stream position 3 \(samples {samples}\): unreadable.*not trained on"):
         loop.run(config)
     assert sorted(train_records(config.run_dir)) == [1, 2, 3]  # steps 1-3 read positions 0-2; step 4 never ran
+
+
+def test_a_capture_job_ignores_the_record_of_another_run_in_a_reused_folder(tmp_path):
+    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}"])
+    transport = open_transport(config)
+    transport.write_record(CONSUMER, {"next": 50, "end": 60, "finished": True, "time": 0, "stream": "old-run"})
+    producer = Producer(transport, config.capture.stream, 0, 1, identity=lambda: "this-run")
+    assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == [0, 1, 2]
+    transport.write_record(CONSUMER, {"next": 50, "end": 60, "finished": True, "time": 0, "stream": "this-run"})
+    assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == []

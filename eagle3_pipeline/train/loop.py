@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.hidden_states_store import open_reader
-from eagle3_pipeline.stage_io import Stage, StageError, read_proof
+from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
 from eagle3_pipeline.stream import Consumer, StreamTimeout, Waiter, open_transport
 from eagle3_pipeline.stand_ins import target_path
 from eagle3_pipeline.train.attention import resolve_attention
@@ -218,7 +218,7 @@ def stream_consumer(config: RunConfig, states_dir: Path) -> Consumer | None:
     if plan != wanted:
         raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
                          "train.seed): rerun 02_generate_hidden_states.py --force with this config")
-    return Consumer(open_transport(config), config.capture.stream)
+    return Consumer(open_transport(config), config.capture.stream, stream_identity(states_dir))
 
 
 def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:

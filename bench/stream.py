@@ -1,0 +1,177 @@
+"""Stream mode against offline on the same machine and data, in one run: training tokens/s, wall time, and
+the share of its time each side waited for the other.
+
+Shared 01 and 03 (real HumanEval chats on the demo target, SmolLM2-135M-Instruct), then two runs of 02 + 04:
+
+    offline   02 writes every sample's states, then 04 trains on them
+    stream    02 and 04 started together (capture.mode stream, a window of about 4 packs)
+
+Per run: 04's tokens/s (median over its logged steps), the share of 04's time spent waiting for data
+(`data_wait_frac`, from metrics.jsonl), 02's time waiting for room in the window (stream: its manifest), the
+wall time of each stage and of the whole run, and the most stream bytes seen on disk.
+
+    python bench/stream.py                          # writes bench/results/stream.json and stream.md
+    python bench/stream.py --samples 32 --steps 16  # smaller
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def sets(run_dir: Path, args, stream: bool) -> list[str]:
+    values = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
+              "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
+              "train.num_workers=0"]
+    if stream:
+        values += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"]
+    return values
+
+
+def start(script: str, config: Path, run_dir: Path, args, stream: bool, log: Path) -> subprocess.Popen:
+    command = [sys.executable, script, "--config", str(config)]
+    for value in sets(run_dir, args, stream):
+        command += ["--set", value]
+    return subprocess.Popen(command, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait(job: subprocess.Popen, log: Path) -> float:
+    """Seconds from now until the job ends; a failed job stops the benchmark with its log's tail."""
+    started = time.perf_counter()
+    if job.wait() != 0:
+        sys.exit(f"{job.args[1]} failed (exit {job.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - started
+
+
+def sample_bytes(folder: Path, stop: threading.Event, peak: list[int]) -> None:
+    while not stop.is_set():
+        if folder.is_dir():
+            sizes = []
+            for entry in os.scandir(folder):
+                if "pack_" in entry.name:
+                    try:
+                        sizes.append(entry.stat().st_size)
+                    except FileNotFoundError:
+                        pass
+            peak[0] = max(peak[0], sum(sizes))
+        time.sleep(0.2)
+
+
+def training_figures(run_dir: Path) -> dict:
+    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r["split"] == "train"][1:]  # the first step includes start-up
+    manifest = json.loads((run_dir / "04_train" / "manifest.json").read_text())
+    return {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train),
+            "data_wait_frac_mean": statistics.mean(r["data_wait_frac"] for r in train),
+            "train_tokens": manifest["counts"]["train_tokens_this_launch"],
+            "losses": [round(r["loss_0"], 6) for r in train]}
+
+
+def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
+    run_dir = prepared.parent / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for stage in ("01_data", "03_vocab"):
+        shutil.copytree(prepared / stage, run_dir / stage)
+    stream = mode == "stream"
+    logs = {name: prepared.parent / f"{mode}-{name}.log" for name in ("02", "04")}
+    stop, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=sample_bytes, args=(run_dir / "02_hidden_states" / "stream", stop, peak))
+    sampler.start()
+    started = time.perf_counter()
+    capture = start("02_generate_hidden_states.py", config, run_dir, args, stream, logs["02"])
+    if stream:
+        train = start("04_train.py", config, run_dir, args, stream, logs["04"])
+        train_s = wait(train, logs["04"])
+        capture_s = train_s + wait(capture, logs["02"])
+    else:
+        capture_s = wait(capture, logs["02"])
+        train = start("04_train.py", config, run_dir, args, stream, logs["04"])
+        train_s = wait(train, logs["04"])
+    wall = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    manifest = json.loads((run_dir / "02_hidden_states" / "manifest.json").read_text())
+    result = {"mode": mode, "wall_s": round(wall, 1), "capture_stage_s": round(capture_s, 1),
+              "train_stage_s": round(train_s, 1), **training_figures(run_dir)}
+    if stream:
+        streamed = manifest["counts"]["stream"]
+        result |= {"capture_waited_s": streamed["waited_s"], "capture_wait_frac": streamed["waited_s"] / capture_s,
+                   "streamed_bytes": streamed["bytes"], "most_held_bytes": peak[0],
+                   "window_bytes": int(args.window_gb * 1e9)}
+    else:
+        result["bytes_on_disk"] = manifest["counts"]["bytes_on_disk"]
+    return result
+
+
+def prepare(work: Path, config_path: Path, args) -> Path:
+    """01 from HumanEval chats (real answers, assistant-only loss) and 03, as the tests fabricate them."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stand_ins import ensure_stand_in
+    from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
+
+    prepared = work / "prepared"
+    shutil.rmtree(prepared, ignore_errors=True)
+    config = load_config(config_path, [f"run_dir={prepared}"])
+    samples = _humaneval_chats(ensure_stand_in("smollm2-135m-instruct"), args.samples + 2, args.max_tokens)
+    write_data_stage(config, samples[:-2], samples[-2:], vocab=49152)
+    write_vocab_stage(config)
+    return prepared
+
+
+def report(results: list[dict], args) -> str:
+    offline, stream = results
+    rows = [
+        ("04 training tokens/s (median)", f"{offline['tokens_per_s_median']:,.0f}", f"{stream['tokens_per_s_median']:,.0f}"),
+        ("04 time waiting for data", f"{offline['data_wait_frac_mean']:.1%}", f"{stream['data_wait_frac_mean']:.1%}"),
+        ("02 time waiting for room", "-", f"{stream['capture_wait_frac']:.1%}"),
+        ("02 stage wall s", f"{offline['capture_stage_s']}", f"{stream['capture_stage_s']}"),
+        ("04 stage wall s", f"{offline['train_stage_s']}", f"{stream['train_stage_s']}"),
+        ("02 + 04 wall s", f"{offline['wall_s']}", f"{stream['wall_s']}"),
+        ("states on disk, most", f"{offline['bytes_on_disk'] / 1e6:.1f} MB",
+         f"{stream['most_held_bytes'] / 1e6:.1f} MB (window {stream['window_bytes'] / 1e6:.0f} MB)"),
+    ]
+    same = offline["losses"] == stream["losses"]
+    lines = [f"{args.samples} HumanEval chats (<= {args.max_tokens} tokens), packed {args.packed_length}, "
+             f"{args.steps} steps, demo target and draft on this CPU; per-step losses equal: {same}", "",
+             "| | offline | stream |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=320, help="tokens per sample at most")
+    parser.add_argument("--packed-length", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--window-gb", type=float, default=0.02, help="about 4 packs of 1024 rows")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stream.json")
+    args = parser.parse_args()
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    config = args.work / "demo.yaml"
+    shutil.copy(ROOT / "configs" / "demo.yaml", config)
+    prepared = prepare(args.work, config, args)
+    results = [run_mode(mode, prepared, config, args) for mode in ("offline", "stream")]
+    load = os.getloadavg()[0]
+    args.out.write_text(json.dumps({"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
+                                    "load_average_1min_at_end": load, "runs": results}, indent=2) + "\n")
+    table = report(results, args)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Stream mode end to end on the SmolLM2 stand-in: 02 (vLLM) and 04 run at once as two processes, as a user
+starts them. The window holds at most a fifth of the states streamed, 04 trains on the offline run's batches,
+and SIGKILL of either side followed by a rerun (02) or `--resume` (04) changes nothing trained."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.stage_io import read_manifest
+from tests.conftest import CONFIGS, ROOT
+from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
+
+pytestmark = pytest.mark.vllm
+
+SETTINGS = ["train.packed_length=320", "train.max_steps=12", "train.log_every=1", "train.eval_every=6",
+            "train.checkpoint_every=4", "train.warmup_steps=2", "train.num_workers=0",
+            "capture.batch_size=4", "capture.samples_per_shard=8"]
+WINDOW_BYTES = 3_000_000  # about two packs of 320 rows (4,608 B per token: 4 x 576 x bf16)
+STREAM = ["capture.mode=stream", f"capture.stream.window_gb={WINDOW_BYTES / 1e9}", "capture.stream.poll_s=0.05",
+          "capture.stream.wait_timeout_s=300"]
+LOSSES = ("loss_0", "loss_1", "loss_2")
+
+
+def command(script: str, run_dir: Path, *args: str, stream: bool = True) -> list[str]:
+    sets = [f"run_dir={run_dir}", *SETTINGS, *(STREAM if stream else [])]
+    return [sys.executable, script, "--config", str(run_dir.parent / "demo.yaml"), *args,
+            *(arg for item in sets for arg in ("--set", item))]
+
+
+def start(script: str, run_dir: Path, *args: str, stream: bool = True) -> subprocess.Popen:
+    log = open(run_dir.parent / f"{run_dir.name}-{script[:2]}-{time.monotonic_ns()}.log", "w")
+    # its own process group: a kill takes vLLM's engine processes with it
+    return subprocess.Popen(command(script, run_dir, *args, stream=stream), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+class Held:
+    """Samples the bytes of stream items on disk every 0.1 s (an independent reading of the window)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.samples, self._stop = folder, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            if self.folder.is_dir():
+                for entry in os.scandir(self.folder):
+                    if "pack_" in entry.name:
+                        try:
+                            total += entry.stat().st_size
+                        except FileNotFoundError:
+                            pass
+            self.samples.append(total)
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.samples, default=0)
+
+
+def records(run_dir: Path, split: str) -> dict[int, dict]:
+    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
+
+
+def trained_on(run_dir: Path) -> Counter:
+    """The multiset of (sample, epoch) the finished run's steps trained on."""
+    return Counter((sample, pack["epoch"]) for record in records(run_dir, "batch").values()
+                   for pack in record["packs"] for sample in pack["samples"])
+
+
+def wait_ok(job: subprocess.Popen, what: str, timeout: float = 900) -> None:
+    job.wait(timeout=timeout)
+    assert job.returncode == 0, f"{what} exited {job.returncode}"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, smollm2_dir) -> Path:
+    """01 (18 HumanEval chats to train on, 2 held out) and 03, shared by every run of the module."""
+    run_dir = tmp_path_factory.getbasetemp() / "stream" / "prepared"
+    run_dir.parent.mkdir(parents=True)
+    shutil.copy(CONFIGS / "demo.yaml", run_dir.parent / "demo.yaml")
+    config = load_config(run_dir.parent / "demo.yaml", [f"run_dir={run_dir}", *SETTINGS])
+    samples = _humaneval_chats(smollm2_dir, 20, 160)
+    write_data_stage(config, samples[:18], samples[18:], vocab=49152)
+    write_vocab_stage(config)
+    return run_dir
+
+
+def new_run(prepared: Path, name: str) -> Path:
+    run_dir = prepared.parent / name
+    for stage in ("01_data", "03_vocab"):
+        shutil.copytree(prepared / stage, run_dir / stage)
+    return run_dir
+
+
+def run_both(run_dir: Path) -> int:
+    """02 and 04 started together; returns the most stream bytes seen on disk."""
+    held = Held(run_dir / "02_hidden_states" / "stream")
+    capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
+    wait_ok(train, "04_train")
+    wait_ok(capture, "02 (stream)")
+    return held.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(prepared) -> Path:
+    run_dir = new_run(prepared, "offline")
+    wait_ok(start("02_generate_hidden_states.py", run_dir, stream=False), "02 (offline)")
+    wait_ok(start("04_train.py", run_dir, stream=False), "04 (offline)")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def streamed(prepared) -> tuple[Path, int]:
+    run_dir = new_run(prepared, "streamed")
+    return run_dir, run_both(run_dir)
+
+
+def assert_same_training(got: Path, want: Path, rel: float) -> float:
+    """Same steps, same (sample, epoch) per step, and per-step losses within `rel`; returns the largest."""
+    assert records(got, "batch") == records(want, "batch")
+    got_train, want_train = records(got, "train"), records(want, "train")
+    assert sorted(got_train) == sorted(want_train) == list(range(1, 13))
+    worst = max(abs(got_train[s][k] - want_train[s][k]) / abs(want_train[s][k]) for s in want_train for k in LOSSES)
+    assert worst <= rel, worst
+    return worst
+
+
+def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, offline):
+    run_dir, most_held = streamed
+    capture = read_manifest(run_dir / "02_hidden_states")
+    streamed_bytes = capture["counts"]["stream"]["bytes"]
+    print(f"stream: {streamed_bytes:,} bytes through a window of {WINDOW_BYTES:,}; most held {most_held:,}")
+    assert WINDOW_BYTES <= streamed_bytes / 5
+    assert 0 < most_held <= WINDOW_BYTES
+    assert capture["counts"]["stream"]["packs"] >= 12 and not list((run_dir / "02_hidden_states" / "stream").glob("pack_*"))
+    worst = assert_same_training(run_dir, offline, rel=1e-4)
+    print(f"per-step loss, streamed vs offline: max relative difference {worst:.2e}")
+    assert trained_on(run_dir) == trained_on(offline)
+    assert len({epoch for _, epoch in trained_on(run_dir)}) >= 2  # the stream ran on into later epochs
+
+
+def kill(job: subprocess.Popen) -> None:
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+
+
+def wait_until(condition, job: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.poll() is None, f"{what}: the job ended (exit {job.returncode}) first"
+        assert time.monotonic() < deadline, f"{what}: timed out"
+        time.sleep(0.05)
+
+
+def test_killed_capture_rerun_continues_the_stream(prepared, streamed):
+    run_dir = new_run(prepared, "capture-killed")
+    stream_dir = run_dir / "02_hidden_states" / "stream"
+    capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
+
+    def packs_put() -> int:
+        record = json.loads((stream_dir / "producer-0-of-1.json").read_text()) if (
+            stream_dir / "producer-0-of-1.json").exists() else {}
+        return record.get("packs", 0)
+
+    wait_until(lambda: packs_put() >= 5, capture, "02 capturing")
+    kill(capture)
+    time.sleep(2)  # 04 drains the window, then waits for the missing job
+    assert train.poll() is None
+    wait_ok(start("02_generate_hidden_states.py", run_dir), "02 rerun")
+    wait_ok(train, "04_train")
+    assert_same_training(run_dir, streamed[0], rel=1e-4)
+    assert trained_on(run_dir) == trained_on(streamed[0])
+
+
+def test_killed_trainer_resumes_exactly(prepared, streamed):
+    run_dir = new_run(prepared, "trainer-killed")
+    capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
+    metrics = run_dir / "04_train" / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and '"step": 6, "split": "train"' in metrics.read_text(), train, "04 training")
+    kill(train)
+    assert (run_dir / "04_train" / "checkpoints" / "step_4").is_dir()
+    wait_ok(start("04_train.py", run_dir, "--resume"), "04 --resume")
+    wait_ok(capture, "02 (stream)")
+    worst = assert_same_training(run_dir, streamed[0], rel=1e-4)
+    print(f"per-step loss, killed and resumed vs uninterrupted stream: max relative difference {worst:.2e}")
+    assert trained_on(run_dir) == trained_on(streamed[0])
