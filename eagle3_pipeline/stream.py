@@ -16,7 +16,8 @@ Two small records coordinate the sides (the transport holds them beside the item
 
 Exactness under kills: 04 writes `next` before deleting the items below it, and a job lists the items present
 before reading `next`, so a job never recaptures an item 04 has consumed. A resumed 04 writes a smaller `next`
-(its checkpoint's position): the jobs then capture again what it had deleted since.
+(its checkpoint's position): the jobs then capture again what it had deleted since, first in line, deleting
+items of later positions they hold when their share is full (04 reads in order; those are captured again).
 
 Window: each job keeps the bytes of its own items (the one being written included) within
 `window_gb / num_shards`, so all jobs together never hold more than `window_gb`.
@@ -264,6 +265,8 @@ class Producer:
                 if position not in sizes:
                     pack = pack_of(position)
                     need = bytes_of(pack)
+                    if not chosen and need > free:
+                        free += self._evict_above(position, sizes, need - free)
                     if need > self.share:
                         raise StageError(f"stream position {position}: one pack takes {need / 1e9:.3f} GB, more than "
                                          f"this job's share of the window ({self.share / 1e9:.3f} GB = "
@@ -284,6 +287,18 @@ class Producer:
                                 self._consumer_progress,
                                 "04_train is not consuming: start it, or rerun it with --resume; rerun this job after")
 
+    def _evict_above(self, position: int, sizes: dict[int, int], wanted: int) -> int:
+        """Delete this job's items past `position`, the last first, until `wanted` bytes are free; returns the
+        bytes freed. 04 reads in order, so the first missing position goes first: after 04 rewinds to its
+        checkpoint, the items it had deleted since are missing below items still held (captured again later)."""
+        freed = 0
+        for later in sorted((p for p in sizes if p > position), reverse=True):
+            if freed >= wanted:
+                break
+            self.transport.delete(later)
+            freed += sizes.pop(later)
+        return freed
+
     def put(self, position: int, data: bytes, tokens: int) -> None:
         """Make the item visible once this job's items, it included, fit the share; dropped when 04 no longer
         needs it (finished, or moved past it)."""
@@ -293,6 +308,8 @@ class Producer:
             if consumer.get("finished") or position < consumer.get("next", 0):
                 return False
             held = sum(sizes.values())
+            if held + len(data) > self.share:
+                held -= self._evict_above(position, sizes, held + len(data) - self.share)
             if held + len(data) > self.share:
                 self.beat("waiting for room")
                 return None

@@ -201,3 +201,21 @@ def test_a_capture_job_ignores_the_record_of_another_run_in_a_reused_folder(tmp_
     assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == [0, 1, 2]
     transport.write_record(CONSUMER, {"next": 50, "end": 60, "finished": True, "time": 0, "stream": "this-run"})
     assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == []
+
+
+def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(tmp_path):
+    """04 resumed at position 4 while the job's share is full with positions 6 and 7: the job makes room by
+    deleting its latest items, so 4 and 5 come first (a job waiting for room here would wait forever)."""
+    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}"])
+    transport = open_transport(config)
+    settings = config.capture.stream.model_copy(update={"window_gb": 200 / 1e9})  # room for two 100-byte items
+    producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
+    for position in (6, 7):
+        transport.put(position, b"x" * 100)
+    transport.write_record(CONSUMER, {"next": 4, "end": 12, "packs_per_step": 1, "time": 1, "stream": "run"})
+    assert producer.next_positions(lambda p: (p,), lambda pack: 100, 4) == [4]
+    producer.put(4, b"x" * 100, 1)
+    assert sorted(transport.sizes()) == [4, 6]
+    assert producer.next_positions(lambda p: (p,), lambda pack: 100, 4) == [5]
+    producer.put(5, b"x" * 100, 1)
+    assert sorted(transport.sizes()) == [4, 5]
