@@ -154,6 +154,8 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
     print(f"per-step loss, streamed vs offline: max relative difference {worst:.2e}")
     assert trained_on(run_dir) == trained_on(offline)
     assert len({epoch for _, epoch in trained_on(run_dir)}) >= 2  # the stream ran on into later epochs
+    # 02 finished after 04 started on its stream: the chain of stages still holds for 05
+    wait_ok(start("05_export.py", run_dir), "05 after a streamed 02")
 
 
 def kill(job: subprocess.Popen) -> None:
