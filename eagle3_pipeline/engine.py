@@ -7,8 +7,12 @@ guard in the script that starts it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +31,22 @@ def on_cpu() -> bool:
 
 def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
     """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
-    engine = engine or target.engine
-    if on_cpu():
-        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
-        if engine.cpu_reserved_cores is not None:  # read by the engine process vLLM spawns below
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
-        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
-            # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
-            # the target then runs the same attention in its expanded (non-MLA) form
-            os.environ["VLLM_MLA_DISABLE"] = "1"
-            print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
+    settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
+    if "VLLM_MLA_DISABLE" in environment:
+        print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
+    os.environ.update(environment)  # read by the engine process vLLM spawns below
     from vllm import LLM
 
+    return LLM(**settings)
+
+
+def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None,
+                    **llm_kwargs: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM` keywords, environment variables) of an engine on the target: what `start_engine` starts
+    and what `server_command` prints, so that a printed command runs the engine a stage measured."""
+    engine = engine or target.engine
     settings = dict(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
+        model=str(model_dir),  # and its tokenizer, vLLM's default
         trust_remote_code=target.trust_remote_code,
         tensor_parallel_size=engine.tensor_parallel_size,
         max_model_len=engine.max_model_len,
@@ -51,8 +56,45 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
         dtype=engine.dtype,
         seed=0,
     )
+    environment = {}
+    if on_cpu():
+        settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if engine.cpu_reserved_cores is not None:
+            environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
+        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
+            # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
+            # the target then runs the same attention in its expanded (non-MLA) form
+            environment["VLLM_MLA_DISABLE"] = "1"
     settings.update(llm_kwargs)
-    return LLM(**settings)
+    return settings, environment
+
+
+def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str:
+    """A shell line starting vLLM's OpenAI-compatible server with `engine_settings`' keywords and environment."""
+    words = [f"{name}={value}" for name, value in environment.items()] + server_launcher() + [settings["model"]]
+    for name, value in settings.items():
+        if name == "model" or value is False or value is None:  # vLLM's boolean options are off by default
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(json.dumps(value) if isinstance(value, dict) else str(value))
+    return shlex.join(words)
+
+
+def server_launcher() -> list[str]:
+    """The words before the model that start vLLM's server in this environment.
+
+    The `vllm` command looks its own version up under the distribution name `vllm` before parsing anything;
+    the CPU build is published as `vllm-cpu`, so there the command exits at once and the server's module
+    (which skips that look-up) is the way in, run by this interpreter. Where vLLM is not installed at all
+    (05 in a training environment), the serving environment is another one: its `vllm` command.
+    """
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        if importlib.util.find_spec("vllm") is not None:
+            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return ["vllm", "serve"]
 
 
 def is_mla(model_dir: Path) -> bool:
