@@ -1,4 +1,5 @@
-"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06).
+"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06), and the command line
+that starts vLLM's OpenAI-compatible server the same way (05 and 06 print it).
 
 vLLM is imported only inside `start_engine`, so stages that do not run the target (03, 04, 05) work in an
 environment without vLLM. vLLM spawns its engine process: callers need an `if __name__ == "__main__":`
@@ -73,12 +74,16 @@ def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str
     """A shell line starting vLLM's OpenAI-compatible server with `engine_settings`' keywords and environment."""
     words = [f"{name}={value}" for name, value in environment.items()] + server_launcher() + [settings["model"]]
     for name, value in settings.items():
-        if name == "model" or value is False or value is None:  # vLLM's boolean options are off by default
+        if name == "model" or value is False:  # vLLM's boolean options are off by default
             continue
         words.append("--" + name.replace("_", "-"))
         if value is not True:
             words.append(json.dumps(value) if isinstance(value, dict) else str(value))
     return shlex.join(words)
+
+
+# vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)
+SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
 
 
 def server_launcher() -> list[str]:
@@ -92,8 +97,11 @@ def server_launcher() -> list[str]:
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        if importlib.util.find_spec("vllm") is not None:
-            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        package = importlib.util.find_spec("vllm")  # finds without importing (vLLM's import takes seconds)
+        folders = package.submodule_search_locations if package else []
+        for module in SERVER_MODULES:
+            if any(Path(folder, *module.split(".")[1:]).with_suffix(".py").is_file() for folder in folders):
+                return [sys.executable, "-m", module, "--model"]
     return ["vllm", "serve"]
 
 
