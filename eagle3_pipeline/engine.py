@@ -1,4 +1,5 @@
-"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06).
+"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06), and the command line
+that starts vLLM's OpenAI-compatible server the same way (05 and 06 print it).
 
 vLLM is imported only inside `start_engine`, so stages that do not run the target (03, 04, 05) work in an
 environment without vLLM. vLLM spawns its engine process: callers need an `if __name__ == "__main__":`
@@ -7,8 +8,12 @@ guard in the script that starts it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +32,22 @@ def on_cpu() -> bool:
 
 def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
     """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
-    engine = engine or target.engine
-    if on_cpu():
-        llm_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
-        if engine.cpu_reserved_cores is not None:  # read by the engine process vLLM spawns below
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
-        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
-            # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
-            # the target then runs the same attention in its expanded (non-MLA) form
-            os.environ["VLLM_MLA_DISABLE"] = "1"
-            print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
+    settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
+    if "VLLM_MLA_DISABLE" in environment:
+        print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
+    os.environ.update(environment)  # read by the engine process vLLM spawns below
     from vllm import LLM
 
+    return LLM(**settings)
+
+
+def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None,
+                    **llm_kwargs: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM` keywords, environment variables) of an engine on the target: what `start_engine` starts
+    and what `server_command` prints, so that a printed command runs the engine a stage measured."""
+    engine = engine or target.engine
     settings = dict(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
+        model=str(model_dir),  # and its tokenizer, vLLM's default
         trust_remote_code=target.trust_remote_code,
         tensor_parallel_size=engine.tensor_parallel_size,
         max_model_len=engine.max_model_len,
@@ -51,8 +57,52 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
         dtype=engine.dtype,
         seed=0,
     )
+    environment = {}
+    if on_cpu():
+        settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if engine.cpu_reserved_cores is not None:
+            environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
+        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
+            # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
+            # the target then runs the same attention in its expanded (non-MLA) form
+            environment["VLLM_MLA_DISABLE"] = "1"
     settings.update(llm_kwargs)
-    return LLM(**settings)
+    return settings, environment
+
+
+def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str:
+    """A shell line starting vLLM's OpenAI-compatible server with `engine_settings`' keywords and environment."""
+    words = [f"{name}={value}" for name, value in environment.items()] + server_launcher() + [settings["model"]]
+    for name, value in settings.items():
+        if name == "model" or value is False:  # vLLM's boolean options are off by default
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(json.dumps(value) if isinstance(value, dict) else str(value))
+    return shlex.join(words)
+
+
+# vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)
+SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
+
+
+def server_launcher() -> list[str]:
+    """The words before the model that start vLLM's server in this environment.
+
+    The `vllm` command looks its own version up under the distribution name `vllm` before parsing anything;
+    the CPU build is published as `vllm-cpu`, so there the command exits at once and the server's module
+    (which skips that look-up) is the way in, run by this interpreter. Where vLLM is not installed at all
+    (05 in a training environment), the serving environment is another one: its `vllm` command.
+    """
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        package = importlib.util.find_spec("vllm")  # finds without importing (vLLM's import takes seconds)
+        folders = package.submodule_search_locations if package else []
+        for module in SERVER_MODULES:
+            if any(Path(folder, *module.split(".")[1:]).with_suffix(".py").is_file() for folder in folders):
+                return [sys.executable, "-m", module, "--model"]
+    return ["vllm", "serve"]
 
 
 def is_mla(model_dir: Path) -> bool:

@@ -13,16 +13,17 @@ the production Kimi shapes, checked on any machine.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.engine import engine_settings, server_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_json_atomic
 from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import FROZEN
+from eagle3_pipeline.validate.acceptance import speculative_config
 from eagle3_pipeline.validate.spec import (
     SPEC_FILE,
     WEIGHTS_FILE,
@@ -152,18 +153,15 @@ def write_export(stage: Stage, fmt: str, state: dict, config_json: dict, card: d
 
 
 def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None = None) -> str:
-    """`vllm serve` with this draft, as a copy-paste line."""
-    engine = config.target.engine
-    k = k or config.export.num_speculative_tokens
-    if fmt == "speculators":
-        words = ["vllm", "serve", str(Path(export_dir).resolve())]
-    else:
-        speculative = {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
-        words = ["vllm", "serve", verifier_path(config), "--speculative-config", json.dumps(speculative)]
-    words += ["--tensor-parallel-size", str(engine.tensor_parallel_size), "--max-model-len", str(engine.max_model_len)]
-    if config.target.trust_remote_code:
-        words.append("--trust-remote-code")
-    return shlex.join(words)
+    """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
+    measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
+    export_dir = Path(export_dir).resolve()
+    speculative = speculative_config(export_dir, k or config.export.num_speculative_tokens)
+    settings, environment = engine_settings(config.target, Path(verifier_path(config)), speculative_config=speculative)
+    if fmt == "speculators":  # the folder names its verifier and holds its speculative config
+        del settings["speculative_config"]
+        settings["model"] = str(export_dir)
+    return server_command(settings, environment)
 
 
 def model_card_facts(config: RunConfig, step_dir: Path, metrics: dict | None, facts: dict) -> dict:

