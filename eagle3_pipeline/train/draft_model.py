@@ -195,9 +195,9 @@ def float8_training(model: torch.nn.Module, device: torch.device) -> None:
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as err:
-        raise ConfigError("train.fp8 needs torchao (pip install torchao)") from err
+        raise ConfigError("train.fp8: torchao is not installed (pip install torchao), or set train.fp8 false") from err
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise ConfigError("train.fp8 needs a GPU with float8 matrix units (Ada, Hopper or newer)")
+        raise ConfigError("train.fp8 needs a GPU with float8 matrix units (Ada, Hopper or newer): set it false here")
     convert_to_float8_training(model, module_filter_fn=lambda _module, name: name.startswith(FP8_MODULES))
 
 

@@ -67,3 +67,13 @@ def test_chunked_loss_leaves_the_logits_of_step_by_step_drafting_unchanged():
         plain_loss = step_logits(model, batch)[1]
         model.loss_chunk_rows = 8
         assert float(model(**batch, ttt_steps=3, step_weights=[1.0] * 3)[0]) == pytest.approx(float(plain_loss))
+
+
+def test_fp8_is_refused_where_it_cannot_run():
+    from eagle3_pipeline.config import ConfigError, load_config
+    from eagle3_pipeline.train.draft_model import accelerate_draft
+    from tests.conftest import CONFIGS
+
+    train = load_config(CONFIGS / "tiny_kimi.yaml").train.model_copy(update={"fp8": True})
+    with pytest.raises(ConfigError, match="train.fp8"):  # no torchao here, or no float8 units on a CPU
+        accelerate_draft(tiny_model(), train, torch.device("cpu"))
