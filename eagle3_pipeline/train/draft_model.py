@@ -179,6 +179,7 @@ def accelerate_draft(model: Eagle3Draft, train, device: torch.device) -> None:
 
     compile: the whole TTT unroll (every step's decoder layer, norms, head and loss, and the verifier head)
     becomes one torch.compile region, forward and backward; the masks are built outside it, once per batch.
+    (speculators' decoder layer forces a graph break in each call under torch >= 2.10, so a few graphs.)
     """
     model.loss_chunk_rows = train.loss_chunk_rows
     if train.fp8:
@@ -191,7 +192,7 @@ FP8_MODULES = ("fc", "layers.")  # the large projections; lm_head and the frozen
 
 
 def float8_training(model: torch.nn.Module, device: torch.device) -> None:
-    """torchao's float8 training (tensorwise scales, e4m3 operands) for fc and the decoder layers' Linears."""
+    """torchao's float8 training (its default recipe: tensorwise scales) for fc and the decoder layers' Linears."""
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as err:

@@ -28,3 +28,4 @@ def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
     assert result["runs"]["ours"]["trainable_parameters"] - result["runs"]["speculators"]["trainable_parameters"] \
         == 2048 * 256
     assert "tokens/s" in capsys.readouterr().out
+    assert "| ours loss_chunk_rows=1024 |" in out.with_suffix(".md").read_text()
