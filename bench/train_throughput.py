@@ -383,8 +383,9 @@ def write_markdown(results: dict, path: Path) -> None:
                      f"{run['trainable_parameters'] / 1e6:,.0f} M | {memory} |")
     curve = results.get("loss_curve")
     if curve and "error" not in curve:
-        lines += ["", f"Loss curve ({len(curve['bf16'])} steps): bf16 {curve['bf16'][0]:.4f} -> {curve['bf16'][-1]:.4f}, "
-                      f"fp8 {curve['fp8'][0]:.4f} -> {curve['fp8'][-1]:.4f}; max relative difference "
+        bf16, fp8 = curve["bf16"], curve["fp8"]
+        lines += ["", f"Loss curve ({len(bf16)} steps): bf16 {bf16[0]:.4f} -> {bf16[-1]:.4f}, "
+                      f"fp8 {fp8[0]:.4f} -> {fp8[-1]:.4f}; max relative difference "
                       f"{curve['max_rel_diff']:.2%}, last {curve['last_rel_diff']:.2%}"]
     for name, run in results["runs"].items():
         profile = run.get("profile")

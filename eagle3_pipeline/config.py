@@ -213,7 +213,7 @@ class TrainConfig(Section):
         "auto", description="auto = compiled flex attention on GPU, sdpa with a dense mask on CPU"
     )
     compile: bool = Field(
-        False, description="GPU: torch.compile the whole TTT unroll (decoder layer steps, norms, head, loss) as one region"
+        False, description="GPU: torch.compile the whole TTT unroll (every step's decoder layer, norms, head, loss)"
     )
     loss_chunk_rows: int | None = Field(
         None, ge=1, description="fuse lm_head and the KL loss, this many rows at a time, so a step's [rows, draft "
