@@ -19,7 +19,7 @@ peak memory. `--profile` adds the device time per kernel and per kind of kernel 
 `--loss-curve N` trains ours with train.fp8 false and true from one initialisation and compares the losses.
 Prints a table, writes JSON.
 
-    python bench/train_throughput.py --profile --loss-curve 40   # one H200: the Kimi draft (configs/kimi_k25.yaml)
+    python bench/train_throughput.py --profile --loss-curve 30   # one H200: the Kimi draft (configs/kimi_k25.yaml)
     python bench/train_throughput.py --tiny                      # CPU smoke test: configs/tiny_kimi.yaml's draft
 
 Needs torch, transformers, accelerate, speculators 0.9.0 (with pydantic), pyyaml, and torchao for fp8; not

@@ -69,6 +69,18 @@ def test_chunked_loss_leaves_the_logits_of_step_by_step_drafting_unchanged():
         assert float(model(**batch, ttt_steps=3, step_weights=[1.0] * 3)[0]) == pytest.approx(float(plain_loss))
 
 
+def test_train_options_reach_the_draft():
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.train.draft_model import Eagle3Draft, accelerate_draft
+    from tests.conftest import CONFIGS
+
+    train = load_config(CONFIGS / "tiny_kimi.yaml").train.model_copy(update={"loss_chunk_rows": 64, "compile": True})
+    model = tiny_model()
+    accelerate_draft(model, train, torch.device("cpu"))
+    assert model.loss_chunk_rows == 64
+    assert model.unroll.__func__ is Eagle3Draft.unroll  # compile acts on GPUs only
+
+
 def test_fp8_is_refused_where_it_cannot_run():
     from eagle3_pipeline.config import ConfigError, load_config
     from eagle3_pipeline.train.draft_model import accelerate_draft
