@@ -5,6 +5,12 @@ turn, then answers it. Regeneration: each assistant turn is replaced by the targ
 conversation so far (earlier answers already replaced), and a conversation ending with a user turn gets
 an answer; batches go round by round, one turn per conversation per round.
 
+Agentic conversations: assistant turns that call tools are kept as recorded, with the tool results that
+follow them, and only the turns without tool calls are regenerated (in their recorded context, earlier
+tool calls and results included). The target's own tool calls would need parsing out of its completion and
+results the tools never gave, so a regenerated answer that calls a tool instead of answering is trained as
+written (as the last turn) or kept as text (earlier turns).
+
 The work is split into chunks of `data.regenerate.chunk_size` conversations in a fixed order. Each finished
 chunk is written atomically to `generated/chunk-NNNNN.jsonl`; a rerun after a kill reads the finished chunks
 and generates only the missing ones, so nothing is lost or generated twice. Per-request seeds derive from
@@ -77,7 +83,8 @@ def _read_chunk(path: Path, chunk: list[Conversation]) -> dict[str, dict[str, An
 
 
 class Rewrite:
-    """One conversation rebuilt turn by turn: its user, system and tool turns kept, its answers the target's."""
+    """One conversation rebuilt turn by turn: its user, system, tool and tool-calling turns kept, its answers
+    the target's."""
 
     def __init__(self, conversation: Conversation):
         self.conversation = conversation
@@ -87,7 +94,7 @@ class Rewrite:
 
     def needs_answer(self) -> bool:
         """Copy the turns before the next answer; True when the target has an answer to write now."""
-        while self.pending and self.pending[0]["role"] != "assistant":
+        while self.pending and (self.pending[0]["role"] != "assistant" or self.pending[0].get("tool_calls")):
             self.messages.append(self.pending.pop(0))
         if self.pending:
             self.pending.pop(0)  # the original answer, replaced by the one generated now
@@ -123,7 +130,7 @@ def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], conf
 
 def _prompt_ids(template: ChatTemplate, rewrite: Rewrite) -> list[int] | None:
     try:
-        return template.prompt_ids(rewrite.messages)
+        return template.prompt_ids(rewrite.messages, rewrite.conversation.tools)
     except InvalidConversation as err:  # e.g. a template that rejects this order of roles
         rewrite.skip = err.reason
         return None
