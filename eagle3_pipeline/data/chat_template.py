@@ -11,7 +11,7 @@ the reasoning of the tool-call steps of the turn in progress, and drops it once 
 is laid out again without the reasoning it drops; a template that rewrites earlier turns otherwise cannot
 be laid out as one sequence, and such a conversation is skipped ("template_inconsistent").
 
-Tool calls: an assistant turn's tool-call section (found by rendering a probe call: the first special token
+Tool calls: an assistant turn's tool-call section (found by rendering a probe call: the first added token
 the template writes after the content) is the assistant's and trained; tool results are the template's
 text between turns, never trained. A target whose template does not write tool calls skips conversations
 that hold them ("tools_unsupported"). Trained text is split by kind for the data report: `reasoning`
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,25 +139,28 @@ class ChatTemplate:
 
     def _probe_end_of_turn(self) -> str:
         """The first special token the template writes after an assistant turn's content."""
-        found = self._first_special_after_answer({})
+        found = self._first_token_after_answer({}, special_tokens(self.tokenizer))
         if found is None:
             raise StageError("the chat template writes no special token after an assistant turn")
         return found
 
     def _probe_tool_calls_start(self) -> str | None:
-        """The special token that opens the template's tool-call section; None when it writes no tool calls."""
+        """The added token that opens the template's tool-call section (Kimi's is not marked special); None
+        when the template writes no tool calls."""
+        added = [token.content for token in self.tokenizer.added_tokens_decoder.values()]
         try:
-            found = self._first_special_after_answer({"tool_calls": [PROBE_CALL]})
+            found = self._first_token_after_answer({"tool_calls": [PROBE_CALL]}, added)
         except InvalidConversation:  # the template refuses tool calls
             return None
         return None if found == self.end_of_turn else found
 
-    def _first_special_after_answer(self, answer_fields: dict[str, Any]) -> str | None:
+    def _first_token_after_answer(self, answer_fields: dict[str, Any], tokens: Iterable[str]) -> str | None:
+        """The first of `tokens` the template writes after a probe answer with `answer_fields`."""
         answer = {"role": "assistant", "content": PROBE_ANSWER, **answer_fields}
         turn = self.render([{"role": "user", "content": PROBE_USER}, answer])
         after_answer = turn[turn.rindex(PROBE_ANSWER) + len(PROBE_ANSWER):]
-        specials = sorted(special_tokens(self.tokenizer), key=len, reverse=True)
-        found = re.search("|".join(map(re.escape, specials)), after_answer) if specials else None
+        tokens = sorted(tokens, key=len, reverse=True)
+        found = re.search("|".join(map(re.escape, tokens)), after_answer) if tokens else None
         return found.group() if found else None
 
     # -------------------------------------------------------------------------------------------- layout
