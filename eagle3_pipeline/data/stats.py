@@ -52,5 +52,6 @@ def generation_stats(conversations: list[Conversation]) -> dict[str, int]:
 def loss_kinds_summary(split: dict[str, Any]) -> str:
     """What the draft will learn: loss tokens per kind with their share, and the image tokens in the inputs."""
     total = split["loss_tokens"] or 1
-    kinds = ", ".join(f"{kind} {n} ({n / total:.1%})" for kind, n in split["loss_tokens_by_kind"].items())
+    by_kind = split["loss_tokens_by_kind"]
+    kinds = ", ".join(f"{kind} {by_kind[kind]} ({by_kind[kind] / total:.1%})" for kind in KINDS)
     return f"{kinds}; image tokens {split['image_tokens']}"

@@ -181,3 +181,27 @@ def test_bad_agentic_records_are_skipped_by_reason(record, reason):
     with pytest.raises(InvalidConversation, match=reason):
         to_messages(record, "auto")
         to_tools(record)
+
+
+def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, capsys):
+    """01 on the tiny Kimi without regeneration: agentic records kept, an image record skipped by reason,
+    stats.json and the printed summary split the loss tokens by kind."""
+    from eagle3_pipeline import prepare_data
+    from eagle3_pipeline.config import load_config
+    from tests.conftest import CONFIGS
+
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    records = tmp_path / "agentic.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in (OPENAI_RECORD, SHAREGPT_RECORD, image)))
+    config = load_config(CONFIGS / "tiny_kimi.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"data.sources=[{{kind: file, name: {records}}}]", "data.eval_sources=[]",
+        "data.eval_fraction=0.0", "data.regenerate.enabled=false", "data.max_seq_len=1024"])
+    prepare_data.run(config)
+    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["agentic-2"]}}
+    train = stats["train"]
+    assert train["samples"] == 2 and train["image_tokens"] == 0
+    assert sum(train["loss_tokens_by_kind"].values()) == train["loss_tokens"]
+    assert all(n > 0 for n in train["loss_tokens_by_kind"].values())  # thinking mode: the steps' reasoning
+    assert f"train loss tokens by kind: {loss_kinds_summary(train)}" in capsys.readouterr().out
