@@ -240,6 +240,11 @@ class ChatTemplate:
         ids, _ = self.encode(self.layout(messages, generation_prompt=True, tools=tools).segments)
         return [token for segment in ids for token in segment]
 
+    def tool_call_section(self, text: str) -> str:
+        """The tool-call section in an assistant's `text`, up to its end-of-turn token ('' when it has none)."""
+        start = text.find(self.tool_calls_start) if self.tool_calls_start else -1
+        return text[start:].split(self.end_of_turn)[0] if start >= 0 else ""
+
     def split_reasoning(self, completion: str) -> tuple[str, str]:
         """(reasoning, answer) of a raw completion. Without `</think>` it is all reasoning when the generation
         prompt opened the reasoning (a completion cut short while thinking), else all answer."""

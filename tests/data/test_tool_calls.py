@@ -154,12 +154,39 @@ def test_template_without_tool_calls_skips_agentic_conversations(smollm2_dir):
         smollm2.layout(conversation.messages, tools=conversation.tools)
 
 
-def test_regeneration_keeps_recorded_tool_call_turns():
+def regenerate(template: ChatTemplate, completions: list[str]) -> Rewrite:
+    """The OpenAI record rewritten with `completions` as the target's turns, in order (each finished)."""
     rewrite = Rewrite(read(OPENAI_RECORD))
-    assert rewrite.needs_answer()  # the final answer: the steps and results before it kept as recorded
-    assert rewrite.messages == read(OPENAI_RECORD).messages[:5]
-    rewrite.messages.append({"role": "assistant", "content": "regenerated"})
+    for completion in completions:
+        assert rewrite.needs_answer()
+        rewrite.add_answer(template, completion, finished=True)
     assert not rewrite.needs_answer()
+    return rewrite
+
+
+def test_regenerated_tool_calls_equal_to_the_recorded_ones_keep_the_recorded_results(kimi):
+    think = "Let me look.</think>" if kimi.template_kwargs["thinking"] else ""
+    steps = [f"{think}{kimi_call('functions.get_weather:0')}", f"{think}Time next.{kimi_call('functions.get_time:1')}"]
+    rewrite = regenerate(kimi, [*steps, f"{think}Mild, and 14:05."])
+    recorded = read(OPENAI_RECORD).messages
+    assert [m["role"] for m in rewrite.messages] == [m["role"] for m in recorded]
+    assert [m.get("tool_calls") for m in rewrite.messages] == [m.get("tool_calls") for m in recorded]
+    assert rewrite.messages[3]["content"] == "Time next."
+    ids, text, spans = decoded_layout(kimi, Conversation("c", "c", rewrite.messages, tools=rewrite.conversation.tools))
+    # the steps as the template renders them (kept in the final answer's prompt), the answer as written
+    assert spans == [f"{step}<|im_end|>" for step in steps] + [f"{think}Mild, and 14:05.<|im_end|>"]
+    assert WEATHER_RESULT in text and TIME_RESULT in text
+
+
+def test_a_regenerated_tool_call_that_differs_ends_the_conversation_there(kimi):
+    think = "Hmm.</think>" if kimi.template_kwargs["thinking"] else ""
+    other_call = kimi_call("functions.get_weather:1")  # the recorded second step calls get_time
+    rewrite = regenerate(kimi, [f"{think}{kimi_call('functions.get_weather:0')}", f"{think}{other_call}"])
+    assert [m["role"] for m in rewrite.messages] == ["user", "assistant", "tool", "assistant"]
+    _, text, spans = decoded_layout(kimi, Conversation("c", "c", rewrite.messages, tools=rewrite.conversation.tools))
+    assert spans[-1] == f"{think}{other_call}<|im_end|>" and TIME_RESULT not in text
+    # answering where the recording called a tool also ends it
+    assert [m["role"] for m in regenerate(kimi, [f"{think}Sunny, I guess."]).messages] == ["user", "assistant"]
 
 
 @pytest.mark.parametrize(("record", "reason"), [
