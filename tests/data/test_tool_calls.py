@@ -232,3 +232,16 @@ def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, caps
     assert sum(train["loss_tokens_by_kind"].values()) == train["loss_tokens"]
     assert all(n > 0 for n in train["loss_tokens_by_kind"].values())  # thinking mode: the steps' reasoning
     assert f"train loss tokens by kind: {loss_kinds_summary(train)}" in capsys.readouterr().out
+
+
+def test_the_next_prompt_after_a_generated_turn_is_the_templates_rendering(kimi):
+    """Regeneration's next prompt lays an earlier generated turn out as the template renders it (reasoning
+    dropped), not as the raw completion: that is what the target is served."""
+    think = "Short.</think>" if kimi.template_kwargs["thinking"] else ""
+    rewrite = Rewrite(Conversation("c", "c", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                                              {"role": "user", "content": "Bye"}]))
+    assert rewrite.needs_answer()
+    rewrite.add_answer(kimi, f"{think}Hello!", finished=True)
+    assert rewrite.needs_answer()
+    expected = kimi.render(rewrite.messages, generation_prompt=True)
+    assert kimi.tokenizer.decode(kimi.prompt_ids(rewrite.messages), skip_special_tokens=False) == expected
