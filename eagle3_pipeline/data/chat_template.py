@@ -254,7 +254,6 @@ class ChatTemplate:
         return (completion.strip(), "") if self.opens_reasoning else ("", completion.strip())
 
 
-
 def _extension(prefix: str, text: str, index: int) -> str:
     if not text.startswith(prefix):
         raise _TurnRewritten(index)

@@ -26,8 +26,8 @@ from eagle3_pipeline.config import SourceConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "observation": "tool", "function_call": "assistant"}
-IMAGE_PARTS = {"image", "image_url"}  # content parts that hold an image (refused: no target reads images yet)
+                  "system": "system", "tool": "tool", "observation": "tool"}
+IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image (refused: not read yet)
 FIRST_IDS_KEPT = 5  # example ids recorded per skip reason
 
 
@@ -146,11 +146,12 @@ def _answer_sharegpt_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any
     unanswered: list[str] = []
     calls_made = 0
     for message in messages:
-        if "tool_calls" in message:
-            ids = [f"functions.{call['function']['name']}:{calls_made + k}" for k, call in enumerate(message["tool_calls"])]
-            message["tool_calls"] = [_tool_call(call | {"id": id_}) for call, id_ in zip(message["tool_calls"], ids)]
-            unanswered += ids
-            calls_made += len(ids)
+        calls = message.get("tool_calls", [])
+        ids = [f"functions.{call['function']['name']}:{calls_made + k}" for k, call in enumerate(calls)]
+        if calls:
+            message["tool_calls"] = [_tool_call(call | {"id": call_id}) for call, call_id in zip(calls, ids)]
+        unanswered += ids
+        calls_made += len(ids)
         if message["role"] == "tool":
             if not unanswered:
                 raise InvalidConversation("unanswerable_tool_result")
@@ -167,13 +168,17 @@ def _parse_json(text: Any, reason: str) -> Any:
         raise InvalidConversation(reason) from None
 
 
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in IMAGE_PARTS or bool(IMAGE_PARTS & part.keys()))
+
+
 def _text(content: Any, empty_allowed: bool = False) -> str:
     """A string, or OpenAI content parts that are all text (joined); anything else is skipped, images under
     their own reason. Only tool results and assistant turns that call tools may be empty (None reads as
     empty there)."""
     if content is None and empty_allowed:
         return ""
-    if isinstance(content, list) and any(isinstance(p, dict) and IMAGE_PARTS & p.keys() for p in content):
+    if isinstance(content, list) and any(_is_image(part) for part in content):
         raise InvalidConversation("images_unsupported")
     if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
         content = "".join(part["text"] for part in content)

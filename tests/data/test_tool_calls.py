@@ -245,3 +245,15 @@ def test_the_next_prompt_after_a_generated_turn_is_the_templates_rendering(kimi)
     assert rewrite.needs_answer()
     expected = kimi.render(rewrite.messages, generation_prompt=True)
     assert kimi.tokenizer.decode(kimi.prompt_ids(rewrite.messages), skip_special_tokens=False) == expected
+
+
+def test_sharegpt_parallel_calls_get_kimi_ids_and_results_answer_them_in_order():
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]
+    messages = to_messages({"conversations": [
+        {"from": "human", "value": QUESTION}, {"from": "function_call", "value": json.dumps(calls)},
+        {"from": "observation", "value": WEATHER_RESULT}, {"from": "observation", "value": TIME_RESULT},
+        {"from": "gpt", "value": FINAL}]}, "sharegpt")
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["functions.get_weather:0", "functions.get_time:1"]
+    assert [c["function"]["arguments"] for c in messages[1]["tool_calls"]] == [{"city": "Paris"}, "{}"]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:4]] == [
+        ("functions.get_weather:0", WEATHER_RESULT), ("functions.get_time:1", TIME_RESULT)]
