@@ -126,6 +126,28 @@ def test_a_run_without_eval_prompts_writes_an_empty_readable_eval_split(tmp_path
     assert len(datasets.load_from_disk(str(data_dir / "train"))) == 1
 
 
+def test_02_refuses_layers_and_lengths_the_target_cannot_serve_before_it_begins(tmp_path, capsys):
+    """An aux id past the last layer, a sample that fills the engine's context: exit 2 before any engine starts,
+    and no 02 folder left that the corrected config would have to --force."""
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}])
+    config = config_file(tmp_path, "demo", [*OFF, f"data.sources=[{{kind: file, name: {data}}}]",
+                                            "target.engine.max_model_len=32"])
+    ok(stage(capsys, "01_prepare_data.py", config))
+    longest = datasets.load_from_disk(str(tmp_path / "run" / "01_data" / "train"))["seq_len"][0]
+    assert longest >= 32
+
+    past_last = stage(capsys, "02_generate_hidden_states.py", config, *sets("capture.aux_layer_ids=[2, 15, 30]"))
+    assert past_last.code == 2
+    assert past_last.error_line() == \
+        "config error: capture.aux_layer_ids [2, 15, 30]: the target has 30 layers (ids 0..29)"
+    too_long = stage(capsys, "02_generate_hidden_states.py", config)
+    assert too_long.code == 2
+    assert too_long.error_line().startswith(
+        f"config error: target.engine.max_model_len 32 leaves no room for the longest sample of 01_data ({longest} "
+        f"tokens) and one generated token: raise it to {longest + 1}")
+    assert not (tmp_path / "run" / "02_hidden_states").exists()
+
+
 # ------------------------------------------------ demo: one training sample, no eval split, 01 -> 06
 @pytest.mark.vllm
 def test_demo_one_sample_no_eval_runs_through_05_and_06_says_what_to_configure(tmp_path, capsys):
