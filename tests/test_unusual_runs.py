@@ -186,6 +186,7 @@ def test_demo_one_sample_no_eval_runs_through_05_and_06_says_what_to_configure(t
     refused = stage(capsys, "04_train.py", too_short, *sets("train.packed_length=16"))
     assert refused.code == 2
     assert refused.error_line().startswith("config error: train.packed_length 16 is shorter than the longest sample")
+    assert not (tmp_path / "b" / "run" / "04_train").exists()  # nothing the corrected config would have to --force
 
 
 # --------------------------------------------- tiny Kimi: fp8 capture with a one-token sample, 01 -> 05
