@@ -126,9 +126,10 @@ def test_a_run_without_eval_prompts_writes_an_empty_readable_eval_split(tmp_path
     assert len(datasets.load_from_disk(str(data_dir / "train"))) == 1
 
 
-def test_02_refuses_layers_and_lengths_the_target_cannot_serve_before_it_begins(tmp_path, capsys):
-    """An aux id past the last layer, a sample that fills the engine's context: exit 2 before any engine starts,
-    and no 02 folder left that the corrected config would have to --force."""
+def test_02_and_03_refuse_what_the_target_cannot_serve_before_they_begin(tmp_path, capsys):
+    """An aux id past the last layer, a sample that fills the engine's context, a draft vocab larger than the
+    target's: exit 2 before any engine starts, and no stage folder left that the corrected config would have
+    to --force."""
     data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}])
     config = config_file(tmp_path, "demo", [*OFF, f"data.sources=[{{kind: file, name: {data}}}]",
                                             "target.engine.max_model_len=32"])
@@ -146,6 +147,11 @@ def test_02_refuses_layers_and_lengths_the_target_cannot_serve_before_it_begins(
         f"config error: target.engine.max_model_len 32 leaves no room for the longest sample of 01_data ({longest} "
         f"tokens) and one generated token: raise it to {longest + 1}")
     assert not (tmp_path / "run" / "02_hidden_states").exists()
+
+    too_large = stage(capsys, "03_build_vocab_map.py", config, *sets("draft.draft_vocab_size=50000"))
+    assert too_large.code == 2
+    assert too_large.error_line() == "config error: draft.draft_vocab_size 50000 exceeds the target vocabulary (49152)"
+    assert not (tmp_path / "run" / "03_vocab").exists()
 
 
 # ------------------------------------------------ demo: one training sample, no eval split, 01 -> 06
