@@ -76,7 +76,8 @@ def record(draw) -> object:
         user, assistant = ("user", "assistant") if schema == "messages" else ("human", "gpt")
         turns = []
         for _ in range(draw(st.integers(1, 3))):
-            turns += [{role_key: user, content_key: draw(text | text | long_text)}, {role_key: assistant, content_key: draw(text)}]
+            turns += [{role_key: user, content_key: draw(text | text | long_text)},
+                      {role_key: assistant, content_key: draw(text)}]
             if draw(st.integers(0, 3)) == 0:
                 turns[-1]["reasoning_content"] = draw(text)
         if draw(st.integers(0, 3)) == 0:
@@ -124,9 +125,9 @@ def records_file(tmp_path_factory) -> Path:
 
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(records=st.lists(record(), min_size=1, max_size=4), schema=st.sampled_from(["auto"] * 3 + ["messages", "sharegpt"]),
-       max_seq_len=st.sampled_from([16, 48, 2048, 2048]), overlong=st.sampled_from(["truncate", "drop"]),
-       with_prompt=st.booleans())
+@given(records=st.lists(record(), min_size=1, max_size=4),
+       schema=st.sampled_from(["auto"] * 3 + ["messages", "sharegpt"]), max_seq_len=st.sampled_from([16, 48, 2048, 2048]),
+       overlong=st.sampled_from(["truncate", "drop"]), with_prompt=st.booleans())
 def test_every_record_is_kept_or_skipped_once_and_masks_hold_only_assistant_text(
         template, records_file, records, schema, max_seq_len, overlong, with_prompt):
     records_file.write_text("".join(json.dumps(r) + "\n" for r in records))
