@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
-from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.stand_ins import target_path
 
@@ -97,7 +97,7 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     stage = Stage(config, "02_hidden_states", force=force)
     if stage.is_complete():
         return
-    stage.begin()
+    stage.check_inputs()  # the config checks below come before begin(): a refused config leaves nothing to --force
 
     # What to capture: the aux layers, plus the final layer output the training targets need.
     model_dir = target_path(config.target)
@@ -105,13 +105,19 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     num_layers, hidden_size = text_config["num_hidden_layers"], text_config["hidden_size"]
     aux_layer_ids = config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
     if max(aux_layer_ids) >= num_layers:
-        raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+        raise ConfigError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+    with stage.timed("load_samples"):
+        samples = load_samples(stage.input_dir("01_data"))
+    longest = max(len(s.input_ids) for s in samples)
+    if longest >= config.target.engine.max_model_len:  # vLLM prefills a sample and generates one token
+        raise ConfigError(f"target.engine.max_model_len {config.target.engine.max_model_len} leaves no room for the "
+                          f"longest sample of 01_data ({longest} tokens) and one generated token: raise it to "
+                          f"{longest + 1} or lower data.max_seq_len, then rerun from 01_prepare_data.py --force")
+    stage.begin()
     dtype, streaming = config.capture.dtype, config.capture.mode == "stream"
     print(f"aux layers {aux_layer_ids} + final (layer {num_layers} output), hidden {hidden_size}, {dtype}, "
           f"{config.capture.mode} mode")
 
-    with stage.timed("load_samples"):
-        samples = load_samples(stage.input_dir("01_data"))
     # Offline, every sample goes into shards; streaming, only the eval split (04 evaluates on it again and again).
     plans = plan_shards([s for s in samples if not streaming or s.split == "eval"], config.capture.samples_per_shard)
     mine = [p for p in plans if p.number % num_shards == shard_index]

@@ -7,7 +7,8 @@ end-of-turn token, is what the assistant produced (content, the reasoning the te
 end-of-turn token); everything else (system, user and tool text, role headers, the generation prompt, the
 newline some templates add after the end-of-turn token) is masked out. Every rendering must extend the
 previous one; a template that rewrites earlier turns once later ones exist cannot be laid out as one
-sequence, and such a conversation is skipped ("template_inconsistent").
+sequence, and such a conversation is skipped ("template_inconsistent"); so is one that opens with an assistant
+turn ("assistant_first": templates render no prompt for it).
 
 The last assistant turn, when the target wrote it in this stage, is laid out as it was served: the
 generation prompt, then the target's raw completion (Kimi thinking mode: `reasoning</think>answer`), then
@@ -122,6 +123,8 @@ class ChatTemplate:
     # -------------------------------------------------------------------------------------------- layout
     def layout(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> Layout:
         """Segments of `messages` (ending with an assistant turn, or with `generation_prompt` after any turn)."""
+        if not messages or messages[0]["role"] == "assistant":  # no prompt to render before the answer
+            raise InvalidConversation("assistant_first")
         segments: list[Segment] = []
         laid_out = ""  # the text the segments spell so far; every rendering must extend it
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

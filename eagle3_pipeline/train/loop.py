@@ -47,10 +47,11 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
     if config.capture.mode == "stream":
         wait_for_stream(config)
+    stage.check_inputs()
+    inputs = read_inputs(stage, config)  # before begin(): a config it refuses leaves nothing to --force
     begin(stage, accelerator, resume, packs_per_step)
     set_seed(train.seed)  # identical initial weights on every process
 
-    inputs = read_inputs(stage, config)
     model = build_model(config, inputs, resolve_attention_or_fail(train.attention, accelerator.device))
     accelerate_draft(model, train, accelerator.device)  # fp8, fused loss, compiled unroll (as configured)
     optimizer = make_optimizer(model.to(accelerator.device), train)
@@ -135,14 +136,12 @@ def make_accelerator(train) -> Accelerator:
 
 
 def begin(stage: Stage, accelerator: Accelerator, resume: bool, packs_per_step: int) -> None:
-    """Input checks on every process; the main process prepares the folder (or keeps partial work, also when
-    --resume splits the same global batch over another number of processes: checkpoint.adopt_split)."""
+    """The main process prepares the folder (or keeps partial work, also when --resume splits the same global
+    batch over another number of processes: checkpoint.adopt_split); the others wait for it."""
     if accelerator.is_main_process:
         if resume and not stage.force:
             adopt_split(stage, packs_per_step)
         stage.begin()
-    else:
-        stage.check_inputs()
     accelerator.wait_for_everyone()
 
 
