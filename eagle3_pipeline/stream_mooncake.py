@@ -49,12 +49,15 @@ STATUS_HINTS = {
 class MooncakeTransport:
     """stream.Transport over a Mooncake store. `stream_id` is None for a transport that only reads or writes
     the published files (before the stream's identity is known). `buffer_bytes` must hold the largest object
-    moved (an item or a file chunk); `lend_bytes` is the memory this process lends the store (capture jobs)."""
+    moved (an item or a file chunk); `lend_bytes` is the memory this process lends the store (capture jobs;
+    at least MIN_SEGMENT_BYTES)."""
 
     def __init__(self, settings: MooncakeConfig, stream_id: str | None, buffer_bytes: int, lend_bytes: int = 0):
         self.settings, self.stream_id = settings, stream_id
         self.buffer_bytes = max(buffer_bytes, FILE_CHUNK_BYTES) + (1 << 20)
-        self.lend_bytes = max(lend_bytes, MIN_SEGMENT_BYTES) if lend_bytes else 0
+        # Every client of a stream lends a little at least, so that records stay writable while no capture job
+        # runs; a client of the published files only (stream_id None) lends nothing, as it leaves soon.
+        self.lend_bytes = max(lend_bytes, MIN_SEGMENT_BYTES) if stream_id else 0
         self.prefix = f"{settings.key_prefix}/"
         self.stream_prefix = f"{self.prefix}{stream_id[:16]}/" if stream_id else None
         self._client, self._pid = None, None
