@@ -69,6 +69,7 @@ class MooncakeTransport:
     def _store(self):
         """This process's client, connected on first use (data loader workers each get their own)."""
         if self._client is None or self._pid != os.getpid():
+            os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's C++ client logs every call at INFO
             try:
                 from mooncake.store import MooncakeDistributedStore
             except ImportError as err:
