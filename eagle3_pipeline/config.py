@@ -129,7 +129,9 @@ class MooncakeConfig(Section):
         None, description="the address other nodes reach this process at (its IP on the transfer network); "
         "null = this host's name",
     )
-    protocol: Literal["tcp", "rdma"] = Field("tcp", description="transfer protocol: tcp anywhere, rdma on InfiniBand/RoCE")
+    protocol: Literal["tcp", "rdma", "efa"] = Field(
+        "tcp", description="transfer protocol: tcp anywhere, rdma on InfiniBand/RoCE, efa on AWS (Mooncake's EFA build)"
+    )
     device_name: str = Field("", description="RDMA devices for protocol rdma (e.g. 'mlx5_0,mlx5_1'); '' for tcp")
     segment_gb: float | None = Field(
         None, gt=0, description="GB of memory each capture job lends the store; null = its share of the window with "

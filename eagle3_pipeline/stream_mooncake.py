@@ -41,7 +41,8 @@ MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses to mount a smaller segment (sta
 EVICTION_HEADROOM = 0.85  # Mooncake's master evicts objects above 90% of the store's memory: stay under it
 ADMIN_TIMEOUT_S = 10.0
 STATUS_HINTS = {
-    -200: "the store is full: raise capture.stream.mooncake.segment_gb",  # NO_AVAILABLE_HANDLE
+    -200: "the store has no room: no capture job is connected (they lend the store its memory), or "  # NO_AVAILABLE_HANDLE
+          "capture.stream.mooncake.segment_gb is too small",
     -600: "an object is larger than this client's transfer buffer",  # BUFFER_OVERFLOW
 }
 
@@ -50,14 +51,14 @@ class MooncakeTransport:
     """stream.Transport over a Mooncake store. `stream_id` is None for a transport that only reads or writes
     the published files (before the stream's identity is known). `buffer_bytes` must hold the largest object
     moved (an item or a file chunk); `lend_bytes` is the memory this process lends the store (capture jobs;
-    at least MIN_SEGMENT_BYTES)."""
+    at least MIN_SEGMENT_BYTES when not 0)."""
 
     def __init__(self, settings: MooncakeConfig, stream_id: str | None, buffer_bytes: int, lend_bytes: int = 0):
         self.settings, self.stream_id = settings, stream_id
         self.buffer_bytes = max(buffer_bytes, FILE_CHUNK_BYTES) + (1 << 20)
-        # Every client of a stream lends a little at least, so that records stay writable while no capture job
-        # runs; a client of the published files only (stream_id None) lends nothing, as it leaves soon.
-        self.lend_bytes = max(lend_bytes, MIN_SEGMENT_BYTES) if stream_id else 0
+        # Only capture jobs lend memory: what a process lends leaves the store with it, and the trainer's last
+        # record (`finished`) must outlive the trainer.
+        self.lend_bytes = max(lend_bytes, MIN_SEGMENT_BYTES) if lend_bytes else 0
         self.prefix = f"{settings.key_prefix}/"
         self.stream_prefix = f"{self.prefix}{stream_id[:16]}/" if stream_id else None
         self._client, self._pid = None, None

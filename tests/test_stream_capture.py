@@ -256,7 +256,7 @@ def test_two_capture_nodes_feed_a_trainer_through_mooncake_alone(prepared, offli
     counts = next(m for m in manifests if m is not None)["counts"]["stream"]
     print(f"store: most {most_held:,} bytes taken; window {window:,} + published {published:,}; "
           f"{counts['bytes']:,} bytes streamed in {counts['packs']} packs")
-    assert counts["bytes"] >= 3 * window and counts["packs"] >= 12
+    assert counts["bytes"] >= 2 * window and counts["packs"] >= 12
     assert 0 < most_held <= window + published + 64 * 1024  # records: a few small objects
     worst = assert_same_training(trainer, offline, rel=1e-4)
     print(f"per-step loss, two capture nodes through Mooncake vs offline: max relative difference {worst:.2e}")

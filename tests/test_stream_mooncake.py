@@ -4,19 +4,25 @@ runs over both transports; across processes with vLLM: test_stream_capture.py)."
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3_pipeline import stream_mooncake
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import StageError
-from eagle3_pipeline.stream import CONSUMER, Consumer, Producer, open_transport
+from eagle3_pipeline.stream import CONSUMER, Consumer, Producer, open_transport, published_names
+from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings, running_master
+from tests.test_stream import streamed_tiny_run
+from tests.train.fabricate import tiny_run
+from tests.train.test_train_stage import LEARNED, records, torchrun_04
 
 MASTER_GONE_WITHIN_S = 30  # what README "Beyond one node" promises
 
@@ -79,8 +85,8 @@ def test_a_master_that_goes_away_stops_both_sides_naming_it(tmp_path):
         settings = config.capture.stream
         producer = Producer(open_transport(config, "s", 1000, lend_bytes=1), settings, 0, 1, identity=lambda: "s")
         consumer = Consumer(open_transport(config, "s", 1000), settings, "s")
+        producer.put(0, b"x" * 1000, 1)  # the share (1,000 bytes) is full now; the store has the job's memory
         consumer.advance(0, 10, 1, 0)
-        producer.put(0, b"x" * 1000, 1)  # the share (1,000 bytes) is full now
         errors: dict[str, tuple[str, float]] = {}
 
         def side(name: str, wait) -> None:
@@ -104,3 +110,34 @@ def test_a_master_that_goes_away_stops_both_sides_naming_it(tmp_path):
         assert f"Mooncake master {master}" in message and "\n" not in message
         assert when - killed < MASTER_GONE_WITHIN_S
     print("stopped after", {name: round(when - killed, 1) for name, (_, when) in errors.items()}, "s")
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_read_the_stream_from_mooncake_alone(tmp_path, mooncake_master):
+    """04 under torchrun (2 processes) in a run folder holding only 01 and 03: it fetches 02's folder from the
+    store, each rank reads its packs from it, and the curve is the one-process offline run's."""
+    one, _ = tiny_run(tmp_path, "one", grad_accumulation=2)  # the same global batch: 2 packs a step
+    loop.run(one)
+    store = mooncake_settings(*mooncake_master, f"test-{uuid.uuid4().hex[:12]}")
+    capture_side, item, _, transport = streamed_tiny_run(tmp_path, "capture-node", store, grad_accumulation=1)
+    states_dir = capture_side.run_dir / "02_hidden_states"
+    transport.publish(states_dir, published_names(states_dir))
+    for position in range(2 * capture_side.train.max_steps):
+        transport.put(position, item(position))
+
+    trainer_dir = tmp_path / "trainer-node"
+    for stage in ("01_data", "03_vocab"):
+        shutil.copytree(capture_side.run_dir / stage, trainer_dir / stage)
+    tree = capture_side.model_dump(mode="json", by_alias=True) | {"run_dir": str(trainer_dir)}
+    (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(tree))
+    assert "2 process(es)" in torchrun_04(tmp_path / "trainer.yaml").stdout
+
+    assert (trainer_dir / "02_hidden_states" / "stream.json").read_bytes() == (states_dir / "stream.json").read_bytes()
+    for split in ("train", "eval"):
+        want, got = records(one.run_dir, split), records(trainer_dir, split)
+        assert sorted(got) == sorted(want) == list(range(1, capture_side.train.max_steps + 1)) if split == "train" \
+            else sorted(got) == sorted(want)
+        for step in want:
+            for key in LEARNED:
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (split, step, key)
+    assert transport.sizes() == {} and transport.read_record(CONSUMER)["finished"]
