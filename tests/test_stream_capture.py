@@ -275,7 +275,12 @@ def test_a_master_killed_mid_run_stops_capture_and_trainer_naming_it(prepared, t
         process.kill()
         killed = time.monotonic()
         for job, what in ((capture, "02"), (train, "04")):
-            job.wait(timeout=MASTER_GONE_WITHIN_S)
+            try:
+                job.wait(timeout=MASTER_GONE_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                kill(job)
+                pytest.fail(f"{what} still running {MASTER_GONE_WITHIN_S} s after the master died: "
+                            f"{job.log.read_text()[-3000:]}")
             output = job.log.read_text()
             assert job.returncode == 1, f"{what} exited {job.returncode}"
             errors = [line for line in output.splitlines() if line.startswith("error: ")]
