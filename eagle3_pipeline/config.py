@@ -246,7 +246,17 @@ class TrainConfig(Section):
     attention: Literal["auto", "flex", "sdpa", "eager"] = Field(
         "auto", description="auto = compiled flex attention on GPU, sdpa with a dense mask on CPU"
     )
-    compile: bool = Field(False, description="GPU: torch.compile the decoder layer (fuses norms, rope, activations)")
+    compile: bool = Field(
+        False, description="GPU: torch.compile the whole TTT unroll (every step's decoder layer, norms, head, loss)"
+    )
+    loss_chunk_rows: int | None = Field(
+        None, ge=1, description="fuse lm_head and the KL loss, this many rows at a time, so a step's [rows, draft "
+        "vocab] float32 logits and targets are never all materialised; null = the plain head and loss"
+    )
+    fp8: bool = Field(
+        False, description="GPU with float8 units (Hopper), needs torchao: float8 matrix products (tensorwise "
+        "scales) for fc and the decoder layer; lm_head and the verifier head stay bf16"
+    )
     num_workers: int = Field(2, ge=0, description="data loader processes per rank (0 = in the training process)")
     checkpoint_every: int = Field(500, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="older checkpoints are deleted once a newer one is complete")

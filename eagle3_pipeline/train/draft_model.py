@@ -46,7 +46,9 @@ import torch.nn.functional as F
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from transformers import DynamicCache, LlamaConfig
 
+from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.train.attention import ttt_masks
+from eagle3_pipeline.train.loss import chunked_head_kl
 from eagle3_pipeline.train.verifier import VerifierWeights
 
 FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
@@ -56,32 +58,41 @@ STATS = ("kl_sum", "correct", "count")  # rows of the per-step statistics forwar
 class Eagle3Draft(Eagle3DraftModel):
     """speculators' Eagle3DraftModel, trained with our training-time-test forward."""
 
+    loss_chunk_rows: int | None = None  # `train.loss_chunk_rows` (set by `accelerate_draft`); None = plain loss
+
     def forward(self, aux, final, input_ids, position_ids, document_ids, loss_mask, ttt_steps, step_weights):
         """Weighted TTT loss and per-step statistics [len(STATS), ttt_steps] of one batch of packed rows.
 
         aux [B, L, n_aux*H], final [B, L, H] (verifier state one token on), input_ids / position_ids /
-        document_ids / loss_mask [B, L] as `data.py` packs them.
+        document_ids / loss_mask [B, L] as `data.py` packs them. The attention masks of all steps are built
+        here, once per batch; the rest runs in `unroll` (one compiled region with `train.compile`).
         """
         masks = ttt_masks(document_ids, ttt_steps, self.config.transformer_layer_config._attn_implementation)
+        return self.unroll(masks, aux, final, input_ids, position_ids, document_ids, loss_mask, step_weights)
+
+    def unroll(self, masks, aux, final, input_ids, position_ids, document_ids, loss_mask, step_weights):
         with torch.no_grad():
-            target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)))
+            target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), plain=not self.loss_chunk_rows)
         hidden = self.fc(aux if self.input_norm is None else self.input_norm(aux))
         cache = DynamicCache()
         tokens, loss, stats = input_ids, 0.0, []
-        for step in range(ttt_steps):
+        for step, mask in enumerate(masks):
             with torch.no_grad():
                 embeds = self.embed_tokens(tokens)
             hidden = torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)
             positions = position_ids + step
             rope = self.rotary_emb(hidden, positions)
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask=masks[step], position_ids=positions,
+                hidden = layer(hidden, attention_mask=mask, position_ids=positions,
                                past_key_values=cache, position_embeddings=rope)
             normed = self.norm(hidden)
             if self.config.norm_output:  # the next step reads the normed state (vLLM: norm_output)
                 hidden = normed
-            logits = self.lm_head(normed)
-            step_loss, step_stats = target.distill(logits, loss_mask, document_ids, step)
+            if self.loss_chunk_rows:
+                step_loss, step_stats = target.distill_chunked(normed, self.lm_head.weight, loss_mask, document_ids,
+                                                               step, self.loss_chunk_rows)
+            else:
+                step_loss, step_stats = target.distill(self.lm_head(normed), loss_mask, document_ids, step)
             loss = loss + step_weights[step] * step_loss
             stats.append(step_stats)
             tokens = F.pad(tokens[:, 1:], (0, 1))  # teacher forcing: the next step reads the next true token
@@ -91,25 +102,43 @@ class Eagle3Draft(Eagle3DraftModel):
 class VerifierTargets:
     """The verifier's distribution over the draft vocab at every row, and the loss against it."""
 
-    def __init__(self, logits: torch.Tensor):
-        logp = F.log_softmax(logits.float(), dim=-1)
-        self.p = logp.exp()
-        self.neg_entropy = (self.p * logp).sum(-1)  # sum p log p: KL = this + cross-entropy
+    def __init__(self, logits: torch.Tensor, plain: bool = True):
+        self.logits = logits  # [B, L, draft vocab]; the chunked loss reads these, a chunk at a time
         self.top1 = logits.argmax(-1)
+        if plain:
+            logp = F.log_softmax(logits.float(), dim=-1)
+            self.p = logp.exp()
+            self.neg_entropy = (self.p * logp).sum(-1)  # sum p log p: KL = this + cross-entropy
+
+    @staticmethod
+    def counted(loss_mask, document_ids, step):
+        """Rows t whose step-`step` target (row t+step) is in the same document and in the loss mask."""
+        rows = loss_mask.shape[1] - step
+        return loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
 
     def distill(self, logits, loss_mask, document_ids, step):
         """Forward KL(verifier || draft), mean over counted rows; the target of row t is row t+step's."""
-        rows = logits.shape[1] - step
-        counted = loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
-        draft_logits = logits[:, :rows].float()
+        counted = self.counted(loss_mask, document_ids, step)
+        draft_logits = logits[:, :counted.shape[1]].float()
         # cross-entropy against the verifier's probabilities; its gradient is softmax(draft) - p
         cross_entropy = F.cross_entropy(draft_logits.flatten(0, 1), self.p[:, step:].flatten(0, 1),
                                         reduction="none").view_as(counted)
         kl = self.neg_entropy[:, step:] + cross_entropy
         count = counted.sum()
         loss = (kl * counted).sum() / count.clamp(min=1)
-        correct = ((draft_logits.argmax(-1) == self.top1[:, step:]) & counted).sum()
-        return loss, torch.stack([(kl.detach() * counted).sum(), correct.float(), count.float()])
+        return loss, self._stats(kl, draft_logits.argmax(-1), counted, step)
+
+    def distill_chunked(self, hidden, head_weight, loss_mask, document_ids, step, chunk_rows):
+        """`distill(lm_head(hidden), ...)` with the head and the loss fused, `chunk_rows` rows at a time."""
+        counted = self.counted(loss_mask, document_ids, step)
+        row_weight = counted / counted.sum().clamp(min=1)
+        loss, kl, top1 = chunked_head_kl(hidden[:, :counted.shape[1]].flatten(0, 1), head_weight,
+                                         self.logits[:, step:].flatten(0, 1), row_weight.flatten(), chunk_rows)
+        return loss, self._stats(kl.view_as(counted), top1.view_as(counted), counted, step)
+
+    def _stats(self, kl, draft_top1, counted, step):
+        correct = ((draft_top1 == self.top1[:, step:]) & counted).sum()
+        return torch.stack([(kl.detach() * counted).sum(), correct.float(), counted.sum().float()])
 
 
 def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attention: str,
@@ -145,13 +174,32 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
     return model_class(config)
 
 
-def compile_layers(model: Eagle3DraftModel) -> None:
-    """torch.compile each decoder layer in place (GPU): fuses its norms, rope, activations and residual adds.
+def accelerate_draft(model: Eagle3Draft, train, device: torch.device) -> None:
+    """Apply `train.fp8`, `train.loss_chunk_rows` and `train.compile` (in that order) to a built draft.
 
-    One graph per TTT step (the key length grows), traced with the flex attention call inside it.
+    compile: the whole TTT unroll (every step's decoder layer, norms, head and loss, and the verifier head)
+    becomes one torch.compile region, forward and backward; the masks are built outside it, once per batch.
+    (speculators' decoder layer forces a graph break in each call under torch >= 2.10, so a few graphs.)
     """
-    for layer in model.layers:
-        layer.compile(dynamic=False)
+    model.loss_chunk_rows = train.loss_chunk_rows
+    if train.fp8:
+        float8_training(model, device)
+    if train.compile and device.type == "cuda":
+        model.unroll = torch.compile(model.unroll, dynamic=False)
+
+
+FP8_MODULES = ("fc", "layers.")  # the large projections; lm_head and the frozen verifier head stay bf16
+
+
+def float8_training(model: torch.nn.Module, device: torch.device) -> None:
+    """torchao's float8 training (its default recipe: tensorwise scales) for fc and the decoder layers' Linears."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise ConfigError("train.fp8: torchao is not installed (pip install torchao), or set train.fp8 false") from err
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError("train.fp8 needs a GPU with float8 matrix units (Ada, Hopper or newer): set it false here")
+    convert_to_float8_training(model, module_filter_fn=lambda _module, name: name.startswith(FP8_MODULES))
 
 
 def rope_parameters(theta: float, scaling: dict | None) -> dict:

@@ -32,7 +32,7 @@ from eagle3_pipeline.stand_ins import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, StreamedRows, plan_packs, rank_share
-from eagle3_pipeline.train.draft_model import build_draft, compile_layers, load_frozen_and_vocab
+from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.metrics import MetricsLog, summarize
 from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
@@ -54,8 +54,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
 
     inputs = read_inputs(stage, config)
     model = build_model(config, inputs, resolve_attention_or_fail(train.attention, accelerator.device))
-    if train.compile and accelerator.device.type == "cuda":
-        compile_layers(model)
+    accelerate_draft(model, train, accelerator.device)  # fp8, fused loss, compiled unroll (as configured)
     optimizer = make_optimizer(model.to(accelerator.device), train)
     scheduler = lr_schedule(optimizer, train)
     model, optimizer = accelerator.prepare(model, optimizer)

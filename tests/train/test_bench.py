@@ -21,10 +21,11 @@ def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
                                       "--steps", "1", "--out", str(out)])
     bench.main()
     result = json.loads(out.read_text())
-    assert set(result["runs"]) == {"ours", "speculators"}
+    assert set(result["runs"]) == {"ours", "ours loss_chunk_rows=1024", "speculators"}
     for run in result["runs"].values():
         assert run["tokens_per_s"] > 0 and run["gflop_per_token"] > 0
     # ours trains lm_head (2048 x 256), speculators' trainer leaves it frozen
     assert result["runs"]["ours"]["trainable_parameters"] - result["runs"]["speculators"]["trainable_parameters"] \
         == 2048 * 256
     assert "tokens/s" in capsys.readouterr().out
+    assert "| ours loss_chunk_rows=1024 |" in out.with_suffix(".md").read_text()
