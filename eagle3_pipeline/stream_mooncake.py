@@ -90,11 +90,14 @@ class MooncakeTransport:
         return {**self.__dict__, "_client": None, "_pid": None}
 
     def close(self) -> None:
-        if self._client is not None and self._pid == os.getpid():
-            self._client.close()
-        self._client = None
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            client.close()
 
     def _error(self, operation: str, status) -> StageError:
+        """The error that ends this side. The client is closed first: once its background thread has begun
+        reconnecting to a master that is gone, closing (or exiting) waits for that thread for many seconds."""
+        self.close()
         hint = STATUS_HINTS.get(status, "is mooncake_master running and reachable (capture.stream.mooncake.master)? "
                                 "Restart it, then rerun 02_generate_hidden_states.py and 04_train.py --resume")
         return StageError(f"Mooncake master {self.settings.master}: {operation} failed (status {status}); {hint}")
@@ -111,6 +114,7 @@ class MooncakeTransport:
             with urllib.request.urlopen(url, timeout=ADMIN_TIMEOUT_S) as response:
                 return response.read().decode()
         except (urllib.error.URLError, OSError) as err:
+            self.close()  # as in _error
             raise StageError(f"Mooncake master {self.settings.master}: its admin service {url} does not answer "
                              f"({err}); is mooncake_master running with --metrics_port "
                              f"{self.settings.admin_port} (capture.stream.mooncake.admin_port)?") from None
