@@ -16,6 +16,11 @@ setup: $(STAMP)
 
 # The stamp is newer than every requirements file once setup succeeded: rerunning is a no-op.
 $(STAMP): $(REQUIREMENTS)
+	@# The Mooncake client (capture.stream.transport mooncake) links libibverbs and librdmacm, TCP included.
+	ldconfig -p | grep -q librdmacm.so.1 || { export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends libibverbs1 librdmacm1 || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1 librdmacm1; } || \
+		{ echo "make setup: install libibverbs1 and librdmacm1 (apt, as root), then rerun" >&2; exit 1; }; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -r requirements-vllm-$(PLATFORM).txt -r requirements.txt

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
-from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.stand_ins import target_path
 
@@ -34,7 +34,6 @@ LAYER_ID_CONVENTION = (
     "Hugging Face output_hidden_states[i]; `final` is the last decoder layer's output before the final norm"
 )
 SPLITS = ("train", "eval")
-ITEM_HEADER_BYTES = 4096  # a stream item's safetensors header and metadata, at most (estimates only)
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     stage = Stage(config, "02_hidden_states", force=force)
     if stage.is_complete():
         return
-    stage.begin()
+    stage.check_inputs()  # the config checks below come before begin(): a refused config leaves nothing to --force
 
     # What to capture: the aux layers, plus the final layer output the training targets need.
     model_dir = target_path(config.target)
@@ -105,16 +104,27 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     num_layers, hidden_size = text_config["num_hidden_layers"], text_config["hidden_size"]
     aux_layer_ids = config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
     if max(aux_layer_ids) >= num_layers:
-        raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+        raise ConfigError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
+    with stage.timed("load_samples"):
+        samples = load_samples(stage.input_dir("01_data"))
+    longest = max(len(s.input_ids) for s in samples)
+    if longest >= config.target.engine.max_model_len:  # vLLM prefills a sample and generates one token
+        raise ConfigError(f"target.engine.max_model_len {config.target.engine.max_model_len} leaves no room for the "
+                          f"longest sample of 01_data ({longest} tokens) and one generated token: raise it to "
+                          f"{longest + 1} or lower data.max_seq_len, then rerun from 01_prepare_data.py --force")
+    stage.begin()
     dtype, streaming = config.capture.dtype, config.capture.mode == "stream"
     print(f"aux layers {aux_layer_ids} + final (layer {num_layers} output), hidden {hidden_size}, {dtype}, "
           f"{config.capture.mode} mode")
 
-    with stage.timed("load_samples"):
-        samples = load_samples(stage.input_dir("01_data"))
     # Offline, every sample goes into shards; streaming, only the eval split (04 evaluates on it again and again).
     plans = plan_shards([s for s in samples if not streaming or s.split == "eval"], config.capture.samples_per_shard)
-    mine = [p for p in plans if p.number % num_shards == shard_index]
+    # Jobs that share no folder (Mooncake transport): job 0 captures the eval split and publishes the folder
+    # with the stream's header; the other jobs fetch it before they stream.
+    shared = not streaming or stream.shares_folder(config)
+    if not shared and shard_index > 0:
+        stream.fetch_folder(config, stage.dir, f"02_hidden_states job {shard_index}/{num_shards}")
+    mine = [p for p in plans if (p.number % num_shards if shared else 0) == shard_index]
     todo = [p for p in mine if not shard_is_done(stage, p, len(aux_layer_ids), hidden_size, dtype)]
     per_token = store.bytes_per_token(len(aux_layer_ids), hidden_size, dtype)
     print(f"shards: {len(plans)} in all, {len(mine)} for job {shard_index}/{num_shards}, {len(todo)} to capture")
@@ -140,9 +150,10 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     if not missing:
         stage.open_stream({"layout": layout, "bytes_per_token": per_token,
                            "pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+    transport = open_stream_transport(stage, config, per_token, publish=not shared, num_shards=num_shards)
     with stage.timed("stream"):
-        counts = stream_packs(stage, config, capturer, [s for s in samples if s.split == "train"], layout,
-                              shard_index, num_shards)
+        counts = stream_packs(stage, config, capturer, transport, [s for s in samples if s.split == "train"],
+                              layout, shard_index, num_shards)
     if counts is not None:
         stage.finish(counts={**shard_counts(stage, plans), "stream": counts},
                      extra={"layout": layout, "bytes_per_token": per_token})
@@ -163,7 +174,8 @@ def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_t
           f"stream: the eval split's {(total - train) * per_token / 2**30:.2f} GiB + a window of "
           f"{settings.window_gb:g} GB (capture.stream.window_gb), {train:,} train tokens captured again each epoch")
     needed = sum(p.tokens for p in todo) * per_token
-    if stage.config.capture.mode == "stream" and settings.dir is None:  # the window lives in the stage folder
+    if stage.config.capture.mode == "stream" and settings.transport == "directory" and settings.dir is None:
+        # the window lives in the stage folder
         needed += int(settings.window_gb * 1e9)
     free = shutil.disk_usage(stage.dir).free
     print(f"disk: this job needs {needed / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free")
@@ -206,22 +218,42 @@ def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, 
     print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s)")
 
 
-def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample], layout: dict, shard_index: int,
-                 num_shards: int) -> dict | None:
+def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publish: bool, num_shards: int):
+    """This job's transport; with `publish` (Mooncake, job 0) it first puts the folder the other nodes fetch."""
+    identity = stream_identity(stage.dir)  # None while another job (sharing this folder) completes the eval split
+    names = stream.published_names(stage.dir) if publish else []
+    published = sum(stage.path(name).stat().st_size for name in names)
+    lend = 0
+    if config.capture.stream.transport == "mooncake":
+        from eagle3_pipeline.stream_mooncake import lend_bytes
+
+        lend = lend_bytes(config.capture.stream.mooncake, stream.share_bytes(config.capture.stream, num_shards),
+                          published)
+    transport = stream.open_transport(config, identity, stream.largest_item_bytes(config, per_token), lend)
+    if publish:
+        transport.clear_other_streams()
+        transport.publish(stage.dir, names)
+        print(f"stream: published the stream header and eval states ({len(names)} files, {published / 1e6:.1f} MB) "
+              f"in {transport.describe()}")
+    return transport
+
+
+def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: list[Sample], layout: dict,
+                 shard_index: int, num_shards: int) -> dict | None:
     """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
-    finished (the last one writes the manifest), else None."""
+    finished (the last one writes the manifest and ends the stream), else None."""
     from eagle3_pipeline.train.data import PackStream
 
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
     per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
-    producer = stream.Producer(stream.open_transport(config), config.capture.stream, shard_index, num_shards,
+    producer = stream.Producer(transport, config.capture.stream, shard_index, num_shards,
                                identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
-          f"stream into {stream.stream_dir(config)}, within {producer.share / 1e9:.3f} GB")
+          f"stream into {transport.describe()}, within {producer.share / 1e9:.3f} GB")
 
     def item_bytes(pack: tuple[int, ...]) -> int:
-        return sum(len(train[i].input_ids) for i in pack) * per_token + ITEM_HEADER_BYTES
+        return sum(len(train[i].input_ids) for i in pack) * per_token + stream.ITEM_HEADER_BYTES
 
     progress = tqdm(unit="pack", desc="stream capture")
     while positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size):
@@ -238,6 +270,7 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample],
               "one to finish writes the manifest)")
         return None
     totals = producer.totals()
+    transport.end_stream()
     print(f"stream: captured {totals['packs']:,} packs, {totals['tokens']:,} tokens; the jobs waited "
           f"{totals['waited_s']:.1f} s in all for 04")
     return totals

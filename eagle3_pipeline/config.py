@@ -114,9 +114,43 @@ class DataConfig(Section):
 
 
 # -------------------------------------------------------------------------------------------- capture
+class MooncakeConfig(Section):
+    """capture.stream.transport mooncake: the states pass through a Mooncake store (README "Beyond one node").
+
+    Every capture job and trainer process is a client of one `mooncake_master`; the capture jobs lend the store
+    its memory (`segment_gb` each), the trainer lends none. All of them use the same values here."""
+
+    master: str = Field("127.0.0.1:50051", description="host:port of the mooncake_master RPC service")
+    admin_port: int = Field(
+        9003, ge=1, le=65535, description="the master's HTTP admin port (its --metrics_port): lists the stream's keys "
+        "and reads the store's memory",
+    )
+    local_hostname: str | None = Field(
+        None, description="the address other nodes reach this process at (its IP on the transfer network); "
+        "null = this host's name",
+    )
+    protocol: Literal["tcp", "rdma", "efa"] = Field(
+        "tcp", description="transfer protocol: tcp anywhere, rdma on InfiniBand/RoCE, efa on AWS (Mooncake's EFA build)"
+    )
+    device_name: str = Field("", description="RDMA devices for protocol rdma (e.g. 'mlx5_0,mlx5_1'); '' for tcp")
+    segment_gb: float | None = Field(
+        None, gt=0, description="GB of memory each capture job lends the store; null = its share of the window with "
+        "room for Mooncake's eviction threshold, plus what it publishes",
+    )
+    key_prefix: str = Field(
+        "eagle3_pipeline", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the stream's keys start with this: one stream per prefix and master (a new stream clears it)",
+    )
+
+
 class StreamConfig(Section):
     """capture.mode stream: 02 and 04 run at once and the states pass through a bounded window."""
 
+    transport: Literal["directory", "mooncake"] = Field(
+        "directory", description="directory = a folder both sides see (`dir`); mooncake = a Mooncake store, for "
+        "capture and trainer nodes that share no filesystem (`mooncake`)",
+    )
+    mooncake: MooncakeConfig = MooncakeConfig()
     dir: str | None = Field(
         None, description="folder the states pass through: local NVMe or /dev/shm on one node, a shared filesystem "
         "(NFS, Lustre) when 02 and 04 run on different machines; null = <run_dir>/02_hidden_states/stream",

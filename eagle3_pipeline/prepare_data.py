@@ -108,8 +108,8 @@ def _save_split(stage: Stage, split: str, rows: list[dict[str, Any]]) -> None:
         features["prompt_ids"] = token_ids
     columns = {name: [row[name] for row in rows] for name in features}
     dataset = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
-    with stage.atomic(split) as tmp:
-        dataset.save_to_disk(str(tmp))
+    with stage.atomic(split) as tmp:  # empty, datasets writes no data file and cannot load the folder back
+        dataset.save_to_disk(str(tmp), num_shards=None if rows else 1)
 
 
 def _save_token_freq(stage: Stage, rows: list[dict[str, Any]], vocab_size: int) -> None:

@@ -52,8 +52,22 @@ class StreamTimeout(StageError):
     """The other side made no progress for `capture.stream.wait_timeout_s`."""
 
 
+ITEM_HEADER_BYTES = 4096  # an item's safetensors header and metadata, at most (estimates only)
+
+
 def producer_record(shard_index: int, num_shards: int) -> str:
     return f"producer-{shard_index}-of-{num_shards}"
+
+
+def share_bytes(settings: StreamConfig, num_shards: int) -> int:
+    """The part of the window one of `num_shards` capture jobs may fill."""
+    return int(settings.window_gb * 1e9) // num_shards
+
+
+def largest_item_bytes(config: RunConfig, per_token: int) -> int:
+    """An upper bound of one item's size: a pack holds at most packed_length rows, and each sample has one
+    token more than its rows (at least one row)."""
+    return 2 * config.train.packed_length * per_token + ITEM_HEADER_BYTES
 
 
 # ------------------------------------------------------------------------------------------- transport
@@ -68,6 +82,8 @@ class Transport(Protocol):
     def write_record(self, name: str, record: dict) -> None: ...
     def read_record(self, name: str) -> dict | None: ...
     def record_names(self) -> list[str]: ...
+    def describe(self) -> str: ...  # where the stream passes, for messages
+    def end_stream(self) -> None: ...  # every side has finished: let go of what the stream holds
 
 
 class DirectoryTransport:
@@ -122,13 +138,54 @@ class DirectoryTransport:
     def record_names(self) -> list[str]:
         return sorted(path.stem for path in self.folder.glob("*.json"))
 
+    def describe(self) -> str:
+        return str(self.folder)
+
+    def end_stream(self) -> None:
+        """The records stay in the folder: they tell what the stream did."""
+
 
 def stream_dir(config: RunConfig) -> Path:
     return Path(config.capture.stream.dir or Path(config.run_dir) / "02_hidden_states" / "stream")
 
 
-def open_transport(config: RunConfig) -> Transport:
+def open_transport(config: RunConfig, identity: str | None = None, item_bytes: int = 0,
+                   lend_bytes: int = 0) -> Transport:
+    """The configured transport. Mooncake's is tied to one stream (`identity`; None reads the published files
+    only), moves objects of up to `item_bytes`, and lends the store `lend_bytes` of this process's memory."""
+    settings = config.capture.stream
+    if settings.transport == "mooncake":
+        from eagle3_pipeline.stream_mooncake import MooncakeTransport
+
+        return MooncakeTransport(settings.mooncake, identity, item_bytes, lend_bytes)
     return DirectoryTransport(stream_dir(config))
+
+
+def shares_folder(config: RunConfig) -> bool:
+    """True when every side of the stream sees the same run_dir (the directory transport); with Mooncake, 02's
+    folder reaches the other nodes through the store (`publish_folder`, `fetch_folder`)."""
+    return config.capture.stream.transport == "directory"
+
+
+def published_names(stage_dir: Path) -> list[str]:
+    """What 02 hands the other nodes: its folder as the stream opened it (header, eval shards, index)."""
+    return sorted(p.name for p in stage_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and p.name != "manifest.json" and ".tmp" not in p.name)
+
+
+def fetch_folder(config: RunConfig, stage_dir: Path, who: str) -> None:
+    """Wait until 02's job 0 has published its folder in the Mooncake store, then write it into `stage_dir`."""
+    transport = open_transport(config)
+    try:
+        listing = Waiter(config.capture.stream, who).wait(
+            transport.published, lambda: f"waiting for 02_generate_hidden_states.py job 0 to open its stream in "
+            f"{transport.describe()}", lambda: None, "start 02_generate_hidden_states.py (job 0) with this config")
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        transport.fetch(stage_dir, listing)
+        print(f"{who}: fetched 02's stream header and eval states ({len(listing)} files, "
+              f"{sum(e['bytes'] for e in listing.values()) / 1e6:.1f} MB) from {transport.describe()}", flush=True)
+    finally:
+        transport.close()
 
 
 # ------------------------------------------------------------------------------------------------ items
@@ -211,7 +268,7 @@ class Producer:
     def __init__(self, transport: Transport, settings: StreamConfig, shard_index: int, num_shards: int, identity):
         self.transport, self.shard_index, self.num_shards = transport, shard_index, num_shards
         self.identity = identity
-        self.share = int(settings.window_gb * 1e9) // num_shards
+        self.share = share_bytes(settings, num_shards)
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
         self.counts = {"packs": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0}

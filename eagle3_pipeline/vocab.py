@@ -74,7 +74,7 @@ def run(config: RunConfig, force: bool = False) -> None:
     stage = Stage(config, "03_vocab", force=force)
     if stage.is_complete():
         return
-    stage.begin()
+    stage.check_inputs()
     freq_path = stage.input_dir("01_data") / TOKEN_FREQ
     try:
         counts = load_file(str(freq_path))["counts"].to(torch.int64)
@@ -83,6 +83,7 @@ def run(config: RunConfig, force: bool = False) -> None:
             from None
 
     vocab = select_draft_vocab(counts, config.draft.draft_vocab_size, config.vocab.always_include)
+    stage.begin()  # after the config checks of the selection: a refused config leaves nothing to --force
     seen = int((counts > 0).sum())
     print(f"03_vocab: {seen} distinct loss-masked tokens seen ({int(counts.sum())} in all); keeping "
           f"{len(vocab.d2t)} of {counts.numel()}; coverage {vocab.coverage:.2%} of loss-masked train tokens")

@@ -62,3 +62,12 @@ def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str,
                 rows[key].append(value)
         Dataset.from_dict(rows).save_to_disk(str(stage.path(split)))
     stage.finish(counts={split: len(conversations) for split, conversations in chats.items()})
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    """(master address, admin port) of a Mooncake master on 127.0.0.1 for the session's stream tests."""
+    from tests.mooncake_master import running_master
+
+    with running_master(tmp_path_factory.mktemp("mooncake") / "master.log") as (master, admin_port, _):
+        yield master, admin_port

@@ -35,6 +35,7 @@ DEFECTS = {  # reason -> one record (or raw line) with exactly that defect
     "empty_content": {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "Hi!"}]},
     "non_string_content": {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "Hi!"}]},
     "no_assistant_turn": {"messages": [{"role": "user", "content": "Anyone there?"}]},
+    "assistant_first": {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Hi."}]},
     "no_loss_tokens": {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "K"}]},
 }
 

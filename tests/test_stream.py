@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import datasets
@@ -13,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
+from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, stream_identity
 from eagle3_pipeline.stream import CONSUMER, PackItem, Producer, decode_item, encode_item, open_transport
 from eagle3_pipeline.train import loop
 from eagle3_pipeline.train.data import PackStream
+from tests.mooncake_master import mooncake_settings
 from tests.train.fabricate import (
     TINY,
     random_samples,
@@ -32,6 +34,22 @@ from tests.train.fabricate import (
 )
 
 STREAM = {"mode": "stream", "stream": {"window_gb": 0.001, "wait_timeout_s": 3, "poll_s": 0.05}}
+
+
+@pytest.fixture(params=["directory", "mooncake"])
+def through(request) -> list[str]:
+    """`--set` overrides choosing the transport: a folder, or a Mooncake store on 127.0.0.1 (one key prefix per
+    test: the tests share the session's master)."""
+    if request.param == "directory":
+        return []
+    master, admin_port = request.getfixturevalue("mooncake_master")
+    return mooncake_settings(master, admin_port, f"test-{uuid.uuid4().hex[:12]}")
+
+
+def with_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    tree = config.model_dump(mode="json", by_alias=True)
+    apply_overrides(tree, overrides)
+    return parse_config(tree, "test")
 
 
 def states(count: int, tokens: int = 5) -> list[SampleStates]:
@@ -75,14 +93,14 @@ def test_an_item_of_other_samples_or_shapes_is_refused():
         decode_item(encode_item(PackItem(0, 0, nan), "bfloat16"), 0, [("s0", 5)], 3, 8, "bfloat16")
 
 
-def test_a_capture_job_never_holds_more_than_its_share(tmp_path):
+def test_a_capture_job_never_holds_more_than_its_share(tmp_path, through):
     """Two jobs share a window of 10 items' bytes; 04 consumes slowly; every put keeps each job in its half."""
     config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [
-        f"run_dir={tmp_path}", "capture.stream.poll_s=0.01", "capture.stream.wait_timeout_s=20"])
+        f"run_dir={tmp_path}", "capture.stream.poll_s=0.01", "capture.stream.wait_timeout_s=20", *through])
     item = encode_item(PackItem(0, 0, states(1)), "bfloat16")
     window = 10 * len(item)
     settings = config.capture.stream.model_copy(update={"window_gb": window / 1e9})
-    transport = open_transport(config)
+    transport = open_transport(config, "stream-a", len(item), lend_bytes=4 * window)
     end, peak = 40, [0]
 
     def job(index: int) -> None:
@@ -116,13 +134,14 @@ def test_a_capture_job_never_holds_more_than_its_share(tmp_path):
 
 
 # ---------------------------------------------------------------------------- 04 as the stream's consumer
-def streamed_tiny_run(tmp_path: Path, name: str, **train: object):
+def streamed_tiny_run(tmp_path: Path, name: str, through: list[str] = (), **train: object):
     """tiny_run's 01 and 03 and states, with 02 as an open stream whose eval split is in shards; returns
-    (config, stream positions -> item bytes, the pack stream)."""
+    (config, stream positions -> item bytes, the pack stream, 02's side of the transport)."""
     target = tmp_path / "target"
     if not (target / "config.json").exists():
         tiny_target(target)
     config, _ = tiny_run_config(tmp_path / name, target, capture=STREAM, **train)
+    config = with_overrides(config, list(through))
     train_samples = random_samples(24, TINY["vocab"], seed=1, prefix="t")
     eval_samples = random_samples(6, TINY["vocab"], seed=2, prefix="e")
     write_data_stage(config, train_samples, eval_samples, TINY["vocab"])
@@ -140,7 +159,7 @@ def streamed_tiny_run(tmp_path: Path, name: str, **train: object):
         epoch, _ = packs.locate(position)
         return encode_item(PackItem(position, epoch, [all_states[i] for i in packs.pack(position)]), "bfloat16")
 
-    return config, item, packs
+    return config, item, packs, open_transport(config, stream_identity(stage.dir), 1 << 20, lend_bytes=64 << 20)
 
 
 def train_records(run_dir: Path, split: str = "train") -> dict[int, dict]:
@@ -148,13 +167,12 @@ def train_records(run_dir: Path, split: str = "train") -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
 
 
-def test_streamed_training_equals_offline_and_resumes_after_a_timeout(tmp_path):
+def test_streamed_training_equals_offline_and_resumes_after_a_timeout(tmp_path, through):
     """04 waits for a stream that stops at position 5, exits 1 naming 02 with a checkpoint of step 5; with the
     rest of the stream put, --resume finishes with every step's loss bit-equal to the offline run's."""
     offline, _ = tiny_run(tmp_path, "offline")
     loop.run(offline)
-    config, item, _ = streamed_tiny_run(tmp_path, "streamed")
-    transport = open_transport(config)
+    config, item, _, transport = streamed_tiny_run(tmp_path, "streamed", through)
     for position in range(5):
         transport.put(position, item(position))
     started = time.monotonic()
@@ -181,8 +199,7 @@ def test_streamed_training_equals_offline_and_resumes_after_a_timeout(tmp_path):
 
 
 def test_a_corrupt_item_stops_training_before_its_step(tmp_path):
-    config, item, packs = streamed_tiny_run(tmp_path, "corrupt")
-    transport = open_transport(config)
+    config, item, packs, transport = streamed_tiny_run(tmp_path, "corrupt")
     for position in range(config.train.max_steps):
         data = item(position)
         transport.put(position, data[: len(data) - 40] if position == 3 else data)
@@ -203,11 +220,11 @@ def test_a_capture_job_ignores_the_record_of_another_run_in_a_reused_folder(tmp_
     assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == []
 
 
-def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(tmp_path):
+def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(tmp_path, through):
     """04 resumed at position 4 while the job's share is full with positions 6 and 7: the job makes room by
     deleting its latest items, so 4 and 5 come first (a job waiting for room here would wait forever)."""
-    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}"])
-    transport = open_transport(config)
+    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}", *through])
+    transport = open_transport(config, "run", 1 << 10, lend_bytes=1 << 20)
     settings = config.capture.stream.model_copy(update={"window_gb": 200 / 1e9})  # room for two 100-byte items
     producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
     for position in (6, 7):

@@ -1,6 +1,7 @@
-"""Stream mode end to end on the SmolLM2 stand-in: 02 (vLLM) and 04 run at once as two processes, as a user
-starts them. The window holds at most a fifth of the states streamed, 04 trains on the offline run's batches,
-and SIGKILL of either side followed by a rerun (02) or `--resume` (04) changes nothing trained."""
+"""Stream mode end to end on the SmolLM2 stand-in: 02 (vLLM) and 04 run at once as processes, as a user starts
+them. The window holds at most a fifth of the states streamed, 04 trains on the offline run's batches, and SIGKILL
+of either side followed by a rerun (02) or `--resume` (04) changes nothing trained. Across nodes (the Mooncake
+store): two capture jobs feed a trainer that shares no folder with them, and a master that dies stops both sides."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import pytest
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import read_manifest
 from tests.conftest import CONFIGS, ROOT
+from tests.mooncake_master import mooncake_settings, running_master
+from tests.test_stream_mooncake import MASTER_GONE_WITHIN_S
 from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
 
 pytestmark = pytest.mark.vllm
@@ -33,17 +37,19 @@ STREAM = ["capture.mode=stream", f"capture.stream.window_gb={WINDOW_BYTES / 1e9}
 LOSSES = ("loss_0", "loss_1", "loss_2")
 
 
-def command(script: str, run_dir: Path, *args: str, stream: bool = True) -> list[str]:
-    sets = [f"run_dir={run_dir}", *SETTINGS, *(STREAM if stream else [])]
+def command(script: str, run_dir: Path, *args: str, stream: bool = True, extra: list[str] = ()) -> list[str]:
+    sets = [f"run_dir={run_dir}", *SETTINGS, *(STREAM if stream else []), *extra]
     return [sys.executable, script, "--config", str(run_dir.parent / "demo.yaml"), *args,
             *(arg for item in sets for arg in ("--set", item))]
 
 
-def start(script: str, run_dir: Path, *args: str, stream: bool = True) -> subprocess.Popen:
-    log = open(run_dir.parent / f"{run_dir.name}-{script[:2]}-{time.monotonic_ns()}.log", "w")
+def start(script: str, run_dir: Path, *args: str, stream: bool = True, extra: list[str] = ()) -> subprocess.Popen:
+    log = run_dir.parent / f"{run_dir.name}-{script[:2]}-{time.monotonic_ns()}.log"
     # its own process group: a kill takes vLLM's engine processes with it
-    return subprocess.Popen(command(script, run_dir, *args, stream=stream), cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(command(script, run_dir, *args, stream=stream, extra=extra), cwd=ROOT,
+                           stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job.log = log
+    return job
 
 
 class Held:
@@ -171,8 +177,9 @@ def wait_until(condition, job: subprocess.Popen, what: str, timeout: float = 600
         time.sleep(0.05)
 
 
-def test_killed_capture_rerun_continues_the_stream(prepared, streamed):
-    run_dir = new_run(prepared, "capture-killed")
+def test_a_killed_capture_job_reruns_and_a_killed_trainer_resumes_exactly(prepared, streamed):
+    """SIGKILL of 02, then a rerun; later SIGKILL of 04, then --resume: nothing trained changes."""
+    run_dir = new_run(prepared, "killed")
     stream_dir = run_dir / "02_hidden_states" / "stream"
     capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
 
@@ -185,21 +192,98 @@ def test_killed_capture_rerun_continues_the_stream(prepared, streamed):
     kill(capture)
     time.sleep(2)  # 04 drains the window, then waits for the missing job
     assert train.poll() is None
-    wait_ok(start("02_generate_hidden_states.py", run_dir), "02 rerun")
-    wait_ok(train, "04_train")
-    assert_same_training(run_dir, streamed[0], rel=1e-4)
-    assert trained_on(run_dir) == trained_on(streamed[0])
-
-
-def test_killed_trainer_resumes_exactly(prepared, streamed):
-    run_dir = new_run(prepared, "trainer-killed")
-    capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
+    capture = start("02_generate_hidden_states.py", run_dir)
     metrics = run_dir / "04_train" / "metrics.jsonl"
-    wait_until(lambda: metrics.exists() and '"step": 6, "split": "train"' in metrics.read_text(), train, "04 training")
+    wait_until(lambda: metrics.exists() and '"step": 9, "split": "train"' in metrics.read_text(), train, "04 training")
     kill(train)
-    assert (run_dir / "04_train" / "checkpoints" / "step_4").is_dir()
+    assert (run_dir / "04_train" / "checkpoints" / "step_8").is_dir()
     wait_ok(start("04_train.py", run_dir, "--resume"), "04 --resume")
-    wait_ok(capture, "02 (stream)")
+    wait_ok(capture, "02 rerun")
     worst = assert_same_training(run_dir, streamed[0], rel=1e-4)
     print(f"per-step loss, killed and resumed vs uninterrupted stream: max relative difference {worst:.2e}")
     assert trained_on(run_dir) == trained_on(streamed[0])
+
+
+# ------------------------------------------------------------------------------------ across nodes: Mooncake
+class StoreMemory:
+    """Samples the memory the Mooncake master counts as taken (`master_allocated_bytes`) every 0.1 s."""
+
+    def __init__(self, admin_port: int):
+        self.url, self.samples, self._stop = f"http://127.0.0.1:{admin_port}/metrics", [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with urllib.request.urlopen(self.url, timeout=5) as answer:
+                line = next(l for l in answer.read().decode().splitlines() if l.startswith("master_allocated_bytes "))
+            self.samples.append(int(float(line.split()[1])))
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.samples, default=0)
+
+
+def node(prepared: Path, name: str, *stages: str) -> Path:
+    """A run folder of its own, as on another machine: only the stages copied from the prepared run."""
+    run_dir = prepared.parent / name
+    for stage in stages:
+        shutil.copytree(prepared / stage, run_dir / stage)
+    return run_dir
+
+
+def test_two_capture_nodes_feed_a_trainer_through_mooncake_alone(prepared, offline, tmp_path):
+    """Two capture jobs and 04 in folders of their own (nothing shared but the store on 127.0.0.1): 04 trains
+    on the offline run's batches, and the store's memory stays within the window plus what 02 published."""
+    window = 2 * WINDOW_BYTES  # a share of one job holds a pack and a half
+    with running_master(tmp_path / "master.log") as (master, admin_port, _):
+        store = mooncake_settings(master, admin_port, "two-nodes") + [f"capture.stream.window_gb={window / 1e9}"]
+        captures = [node(prepared, f"capture-node-{i}", "01_data") for i in range(2)]
+        trainer = node(prepared, "trainer-node", "01_data", "03_vocab")
+        memory = StoreMemory(admin_port)
+        jobs = [start("02_generate_hidden_states.py", run_dir, "--shard-index", str(i), "--num-shards", "2",
+                      extra=store) for i, run_dir in enumerate(captures)]
+        train = start("04_train.py", trainer, extra=store)
+        wait_ok(train, "04_train")
+        for i, job in enumerate(jobs):
+            wait_ok(job, f"02 job {i}/2")
+        most_held = memory.stop()
+    published = sum(p.stat().st_size for p in (captures[0] / "02_hidden_states").iterdir()
+                    if p.is_file() and p.name not in ("manifest.json", ".started.json"))
+    manifests = [read_manifest(run_dir / "02_hidden_states") for run_dir in captures]
+    counts = next(m for m in manifests if m is not None)["counts"]["stream"]
+    print(f"store: most {most_held:,} bytes taken; window {window:,} + published {published:,}; "
+          f"{counts['bytes']:,} bytes streamed in {counts['packs']} packs")
+    assert counts["bytes"] >= 2 * window and counts["packs"] >= 12
+    assert 0 < most_held <= window + published + 64 * 1024  # records: a few small objects
+    worst = assert_same_training(trainer, offline, rel=1e-4)
+    print(f"per-step loss, two capture nodes through Mooncake vs offline: max relative difference {worst:.2e}")
+    assert trained_on(trainer) == trained_on(offline)
+
+
+def test_a_master_killed_mid_run_stops_capture_and_trainer_naming_it(prepared, tmp_path):
+    with running_master(tmp_path / "master.log") as (master, admin_port, process):
+        store = mooncake_settings(master, admin_port, "killed-master")
+        capture = start("02_generate_hidden_states.py", node(prepared, "capture-node", "01_data"), extra=store)
+        trainer = node(prepared, "trainer-alone", "01_data", "03_vocab")
+        train = start("04_train.py", trainer, extra=store)
+        metrics = trainer / "04_train" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and '"step": 2, "split": "train"' in metrics.read_text(), train,
+                   "04 training")
+        process.kill()
+        killed = time.monotonic()
+        for job, what in ((capture, "02"), (train, "04")):
+            try:
+                job.wait(timeout=MASTER_GONE_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                kill(job)
+                pytest.fail(f"{what} still running {MASTER_GONE_WITHIN_S} s after the master died: "
+                            f"{job.log.read_text()[-3000:]}")
+            output = job.log.read_text()
+            assert job.returncode == 1, f"{what} exited {job.returncode}"
+            errors = [line for line in output.splitlines() if line.startswith("error: ")]
+            assert len(errors) == 1 and f"Mooncake master {master}" in errors[0], errors
+            assert "Traceback" not in output
+            print(f"{what}: exit 1 {time.monotonic() - killed:.1f} s after the master died: {errors[0]}")

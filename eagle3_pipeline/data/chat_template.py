@@ -9,7 +9,8 @@ newline some templates add after the end-of-turn token) is masked out. Every ren
 previous one. A template that drops the reasoning of earlier turns once later ones exist (Kimi-K2.5 keeps
 the reasoning of the tool-call steps of the turn in progress, and drops it once a final answer follows)
 is laid out again without the reasoning it drops; a template that rewrites earlier turns otherwise cannot
-be laid out as one sequence, and such a conversation is skipped ("template_inconsistent").
+be laid out as one sequence, and such a conversation is skipped ("template_inconsistent"); so is one that
+opens with an assistant turn ("assistant_first": templates render no prompt for it).
 
 Tool calls: an assistant turn's tool-call section (found by rendering a probe call: the first added token
 the template writes after the content) is the assistant's and trained; tool results are the template's
@@ -167,6 +168,8 @@ class ChatTemplate:
     def layout(self, messages: list[dict[str, Any]], generation_prompt: bool = False,
                tools: list[dict[str, Any]] | None = None) -> Layout:
         """Segments of `messages` (ending with an assistant turn, or with `generation_prompt` after any turn)."""
+        if not messages or messages[0]["role"] == "assistant":  # no prompt to render before the answer
+            raise InvalidConversation("assistant_first")
         if self.tool_calls_start is None and any(m.get("tool_calls") for m in messages):
             raise InvalidConversation("tools_unsupported")
         while True:

@@ -11,6 +11,7 @@ One process per device under `accelerate launch` (or torchrun on CPU); every pro
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,10 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from tqdm import tqdm
 
 from eagle3_pipeline.config import ConfigError, RunConfig
-from eagle3_pipeline.hidden_states_store import open_reader
+from eagle3_pipeline.hidden_states_store import bytes_per_token, open_reader
 from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
-from eagle3_pipeline.stream import Consumer, StreamTimeout, Waiter, open_transport
+from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
+                                    shares_folder)
 from eagle3_pipeline.stand_ins import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
@@ -47,10 +49,11 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
     if config.capture.mode == "stream":
         wait_for_stream(config)
+    stage.check_inputs()
+    inputs = read_inputs(stage, config)  # before begin(): a config it refuses leaves nothing to --force
     begin(stage, accelerator, resume, packs_per_step)
     set_seed(train.seed)  # identical initial weights on every process
 
-    inputs = read_inputs(stage, config)
     model = build_model(config, inputs, resolve_attention_or_fail(train.attention, accelerator.device))
     accelerate_draft(model, train, accelerator.device)  # fp8, fused loss, compiled unroll (as configured)
     optimizer = make_optimizer(model.to(accelerator.device), train)
@@ -135,14 +138,12 @@ def make_accelerator(train) -> Accelerator:
 
 
 def begin(stage: Stage, accelerator: Accelerator, resume: bool, packs_per_step: int) -> None:
-    """Input checks on every process; the main process prepares the folder (or keeps partial work, also when
-    --resume splits the same global batch over another number of processes: checkpoint.adopt_split)."""
+    """The main process prepares the folder (or keeps partial work, also when --resume splits the same global
+    batch over another number of processes: checkpoint.adopt_split); the others wait for it."""
     if accelerator.is_main_process:
         if resume and not stage.force:
             adopt_split(stage, packs_per_step)
         stage.begin()
-    else:
-        stage.check_inputs()
     accelerator.wait_for_everyone()
 
 
@@ -178,7 +179,7 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
         raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
                           f"{layout['hidden_size']} (02_hidden_states): EAGLE-3 needs them equal")
     rows = {name: np.asarray(split["seq_len"], dtype=np.int64) - 1 for name, split in splits.items()}
-    consumer = stream_consumer(config, states_dir)
+    consumer = stream_consumer(config, states_dir, layout)
     # streaming, 02's shards hold the eval split only: the train split comes through the stream
     _check_fits({k: v for k, v in splits.items() if not consumer or k == "eval"}, rows, reader,
                 config.train.packed_length)
@@ -201,6 +202,8 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
 def wait_for_stream(config: RunConfig) -> None:
     """Before the input checks: 02 opens its stream (stream.json) once its eval states are written."""
     states_dir = Path(config.run_dir) / "02_hidden_states"
+    if read_proof(states_dir) is None and not shares_folder(config) and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        fetch_folder(config, states_dir, "04_train")  # one process per node fetches; the others wait for it below
     if read_proof(states_dir) is None:
         print(f"04_train: waiting for 02_generate_hidden_states.py to open its stream in {states_dir}", flush=True)
         Waiter(config.capture.stream, "04_train").wait(
@@ -208,7 +211,7 @@ def wait_for_stream(config: RunConfig) -> None:
             lambda: None, "start 02_generate_hidden_states.py with capture.mode stream")
 
 
-def stream_consumer(config: RunConfig, states_dir: Path) -> Consumer | None:
+def stream_consumer(config: RunConfig, states_dir: Path, layout: dict) -> Consumer | None:
     """04's side of 02's stream, checked against this run's pack plan; None offline."""
     if config.capture.mode != "stream":
         return None
@@ -217,7 +220,10 @@ def stream_consumer(config: RunConfig, states_dir: Path) -> Consumer | None:
     if plan != wanted:
         raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
                          "train.seed): rerun 02_generate_hidden_states.py --force with this config")
-    return Consumer(open_transport(config), config.capture.stream, stream_identity(states_dir))
+    per_token = bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+    identity = stream_identity(states_dir)
+    return Consumer(open_transport(config, identity, largest_item_bytes(config, per_token)), config.capture.stream,
+                    identity)
 
 
 def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:

@@ -85,7 +85,8 @@ def eval_prompts(config: RunConfig) -> list[list[int]]:
         raise StageError(f"{data_dir} holds no finished eval split: rerun 01_prepare_data.py")
     split = load_from_disk(str(data_dir / "eval"))
     if "prompt_ids" not in split.column_names or len(split) == 0:
-        raise StageError(f"{data_dir}/eval has no prompts (column prompt_ids): add data.eval_sources or eval_fraction")
+        raise StageError(f"01_data has no eval prompts ({data_dir}/eval), and 06 measures acceptance on them: set "
+                         "data.eval_sources or data.eval_fraction, then rerun the stages from 01_prepare_data.py --force")
     return [list(ids) for ids in split["prompt_ids"][: config.validate_.max_prompts]]
 
 
