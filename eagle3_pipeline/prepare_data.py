@@ -8,7 +8,8 @@ chat template and writes to `<run_dir>/01_data/`:
                              seq_len int32; eval adds prompt_ids (the last turn's prompt, for stage 06)
     token_freq.safetensors   counts int64 [target vocab]: loss-masked tokens of the train split (stage 03)
     stats.json               samples per source and split, skips per reason (first ids), length histogram,
-                             loss-token fraction, generation figures
+                             loss-token fraction, loss tokens by kind (reasoning, answer, tool_call),
+                             image tokens, generation figures
     generated/               the target's turns, one file per finished chunk (what a rerun resumes from)
 """
 
@@ -25,7 +26,7 @@ from eagle3_pipeline.data.conversations import Conversation, Skips
 from eagle3_pipeline.data.generate import generate_turns
 from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
-from eagle3_pipeline.data.stats import generation_stats, split_stats, token_frequencies
+from eagle3_pipeline.data.stats import generation_stats, loss_kinds_summary, split_stats, token_frequencies
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
 from eagle3_pipeline.stand_ins import target_path
 
@@ -75,6 +76,7 @@ def run(config: RunConfig, force: bool = False) -> None:
     print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
           f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "
           f"skipped {sum(skips.counts.values())}")
+    print(f"01_data: train loss tokens by kind: {loss_kinds_summary(stats['train'])}")
     stage.finish(counts={
         "train_samples": len(train_rows), "eval_samples": len(eval_rows),
         "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],

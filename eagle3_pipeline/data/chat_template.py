@@ -6,15 +6,25 @@ through the turn (what the template writes for it): the text between the two, cu
 end-of-turn token, is what the assistant produced (content, the reasoning the template keeps, the
 end-of-turn token); everything else (system, user and tool text, role headers, the generation prompt, the
 newline some templates add after the end-of-turn token) is masked out. Every rendering must extend the
-previous one; a template that rewrites earlier turns once later ones exist cannot be laid out as one
-sequence, and such a conversation is skipped ("template_inconsistent"); so is one that opens with an assistant
-turn ("assistant_first": templates render no prompt for it).
+previous one. A template that drops the reasoning of earlier turns once later ones exist (Kimi-K2.5 keeps
+the reasoning of the tool-call steps of the turn in progress, and drops it once a final answer follows)
+is laid out again without the reasoning it drops; a template that rewrites earlier turns otherwise cannot
+be laid out as one sequence, and such a conversation is skipped ("template_inconsistent"); so is one that
+opens with an assistant turn ("assistant_first": templates render no prompt for it).
 
-The last assistant turn, when the target wrote it in this stage, is laid out as it was served: the
-generation prompt, then the target's raw completion (Kimi thinking mode: `reasoning</think>answer`), then
-the end-of-turn token if the target emitted it. Kimi-K2.5's template drops the reasoning of finished
-turns, so this is the only place where reasoning is trained; earlier turns follow the template (as the
-target sees them at serving time later in the chat).
+Tool calls: an assistant turn's tool-call section (found by rendering a probe call: the first added token
+the template writes after the content) is the assistant's and trained; tool results are the template's
+text between turns, never trained. A target whose template does not write tool calls skips conversations
+that hold them ("tools_unsupported"). Trained text is split by kind for the data report: `reasoning`
+(through `</think>`), `answer` (content and end-of-turn token) and `tool_call` (the section and the
+end-of-turn token after it).
+
+The last assistant turn is laid out as it was served: its generation prompt (render of the conversation
+before it), then, when the target wrote it in this stage, its raw completion (Kimi thinking mode:
+`reasoning</think>answer`) and the end-of-turn token if the target emitted it; else the turn as the template
+writes it after a generation prompt in the full rendering. Kimi-K2.5's template drops the reasoning of
+finished turns, so a generated last turn is the only place where a final answer's reasoning is trained;
+earlier turns follow the template (as the target sees them at serving time later in the chat).
 
 Text is tokenized segment by segment (header, answer, ...) without added special tokens, so a mask boundary
 is always a token boundary; the special tokens are checked to encode to single ids first.
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +45,26 @@ from eagle3_pipeline.stage_io import StageError
 
 REASONING_START, REASONING_END = "<think>", "</think>"  # Kimi's reasoning markers (also DeepSeek-R1's, Qwen3's)
 PROBE_USER, PROBE_ANSWER = "Ping?", "Pong."
+PROBE_CALL = {"id": "functions.probe:0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
+KINDS = ("reasoning", "answer", "tool_call")  # what a trained token is, for the data report
+
+
+class _TurnRewritten(Exception):
+    """Rendering through turn `index` does not extend the layout of the turns before it."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
 
 
 @dataclass(frozen=True)
 class Segment:
     text: str
-    trained: bool  # the assistant produced it: loss_mask 1
+    kind: str | None = None  # one of KINDS when the assistant produced it (loss_mask 1), else None
+
+    @property
+    def trained(self) -> bool:
+        return self.kind is not None
 
 
 @dataclass(frozen=True)
@@ -93,69 +118,115 @@ class ChatTemplate:
         self.user_prefix = user[: user.index(PROBE_USER)]  # magpie: the target continues from here
         # Kimi thinking mode: the generation prompt opens the reasoning, so a completion starts inside it
         self.opens_reasoning = self.render([{"role": "user", "content": PROBE_USER}], True).endswith(REASONING_START)
+        specials = special_tokens(tokenizer)
+        self.reasoning_end = REASONING_END if REASONING_END in specials else None
+        self.tool_calls_start = self._probe_tool_calls_start()
 
     @classmethod
     def for_target(cls, target: TargetConfig, model_dir: Path, thinking: bool) -> ChatTemplate:
         template_kwargs = {"thinking": thinking, **target.chat_template_kwargs}
         return cls(load_tokenizer(model_dir, target.trust_remote_code), template_kwargs)
 
-    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
             )
         except TemplateError:  # the template's own check failed (e.g. roles must alternate)
             raise InvalidConversation("template_error") from None
 
     def _probe_end_of_turn(self) -> str:
         """The first special token the template writes after an assistant turn's content."""
-        messages = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
-        turn = self.render(messages)
-        after_answer = turn[turn.rindex(PROBE_ANSWER) + len(PROBE_ANSWER):]
-        specials = sorted(special_tokens(self.tokenizer), key=len, reverse=True)
-        found = re.search("|".join(map(re.escape, specials)), after_answer) if specials else None
+        found = self._first_token_after_answer({}, special_tokens(self.tokenizer))
         if found is None:
-            raise StageError(f"the chat template writes no special token after an assistant turn ({after_answer!r})")
-        return found.group()
+            raise StageError("the chat template writes no special token after an assistant turn")
+        return found
+
+    def _probe_tool_calls_start(self) -> str | None:
+        """The added token that opens the template's tool-call section (Kimi's is not marked special); None
+        when the template writes no tool calls."""
+        added = [token.content for token in self.tokenizer.added_tokens_decoder.values()]
+        try:
+            found = self._first_token_after_answer({"tool_calls": [PROBE_CALL]}, added)
+        except InvalidConversation:  # the template refuses tool calls
+            return None
+        return None if found == self.end_of_turn else found
+
+    def _first_token_after_answer(self, answer_fields: dict[str, Any], tokens: Iterable[str]) -> str | None:
+        """The first of `tokens` the template writes after a probe answer with `answer_fields`."""
+        answer = {"role": "assistant", "content": PROBE_ANSWER, **answer_fields}
+        turn = self.render([{"role": "user", "content": PROBE_USER}, answer])
+        after_answer = turn[turn.rindex(PROBE_ANSWER) + len(PROBE_ANSWER):]
+        tokens = sorted(tokens, key=len, reverse=True)
+        found = re.search("|".join(map(re.escape, tokens)), after_answer) if tokens else None
+        return found.group() if found else None
 
     # -------------------------------------------------------------------------------------------- layout
-    def layout(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> Layout:
+    def layout(self, messages: list[dict[str, Any]], generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> Layout:
         """Segments of `messages` (ending with an assistant turn, or with `generation_prompt` after any turn)."""
         if not messages or messages[0]["role"] == "assistant":  # no prompt to render before the answer
             raise InvalidConversation("assistant_first")
+        if self.tool_calls_start is None and any(m.get("tool_calls") for m in messages):
+            raise InvalidConversation("tools_unsupported")
+        while True:
+            try:
+                return self._layout(messages, generation_prompt, tools)
+            except _TurnRewritten as err:  # drop the reasoning the template drops once turn `index` exists
+                earlier = messages[: err.index]
+                if not any("reasoning_content" in m for m in earlier):
+                    raise InvalidConversation("template_inconsistent") from None
+                messages = [_without_reasoning(m) for m in earlier] + messages[err.index:]
+
+    def _layout(self, messages: list[dict[str, Any]], generation_prompt: bool,
+                tools: list[dict[str, Any]] | None) -> Layout:
         segments: list[Segment] = []
         laid_out = ""  # the text the segments spell so far; every rendering must extend it
         answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         for index in answers + ([len(messages)] if generation_prompt else []):
-            header = self.render(messages[:index], generation_prompt=True)
-            segments.append(Segment(self._extension(laid_out, header), trained=False))
+            header = self.render(messages[:index], generation_prompt=True, tools=tools)
+            segments.append(Segment(_extension(laid_out, header, index)))
             prompt_end = len(segments)
             if index == len(messages):
                 break
-            answer, trailing = self._answer(messages, index, header, served=index == answers[-1])
-            segments += [Segment(answer, trained=True), Segment(trailing, trained=False)]
+            served = index == answers[-1] and not generation_prompt
+            answer, trailing = self._answer(messages, index, header, tools, served)
+            segments += self._by_kind(answer, header) + [Segment(trailing)]
             laid_out = header + answer + trailing
         return Layout(segments, prompt_end)
 
-    def _answer(self, messages: list[dict[str, Any]], index: int, header: str, served: bool) -> tuple[str, str]:
+    def _answer(self, messages: list[dict[str, Any]], index: int, header: str, tools: list[dict[str, Any]] | None,
+                served: bool) -> tuple[str, str]:
         """The assistant-produced text of turn `index` (after `header`), and the template's text after it."""
         message = messages[index]
         if served and "completion" in message:
             return message["completion"] + (self.end_of_turn if message["finished"] else ""), ""
-        turn = self._extension(header, self.render(messages[: index + 1]))
+        rendered = self.render(messages[: index + 1], tools=tools)
+        if served and not rendered.startswith(header):  # the template drops reasoning the served prompt keeps
+            generation_prompt = _extension(self.render(messages[:index], tools=tools), header, index)
+            if generation_prompt not in rendered:
+                raise InvalidConversation("template_inconsistent")
+            rendered = header + rendered[rendered.rindex(generation_prompt) + len(generation_prompt):]
+        turn = _extension(header, rendered, index)
         content = message["content"].strip()
         after_content = turn.rfind(content) + len(content) if content and content in turn else 0
         end = turn.find(self.end_of_turn, after_content)
         cut = end + len(self.end_of_turn) if end >= 0 else len(turn)
         return turn[:cut], turn[cut:]
 
-    @staticmethod
-    def _extension(prefix: str, text: str) -> str:
-        if not text.startswith(prefix):
-            raise InvalidConversation("template_inconsistent")
-        return text[len(prefix):]
+    def _by_kind(self, answer: str, header: str) -> list[Segment]:
+        """`answer` as reasoning (through `</think>`; all of it when the header opened the reasoning and it
+        never closed), answer and tool-call segments. Cuts fall at special tokens, so at token boundaries."""
+        in_reasoning = self.reasoning_end is not None and header.endswith(REASONING_START)
+        closed = answer.find(self.reasoning_end) if self.reasoning_end else -1
+        reasoning_cut = closed + len(self.reasoning_end) if closed >= 0 else len(answer) if in_reasoning else 0
+        calls = answer.find(self.tool_calls_start, reasoning_cut) if self.tool_calls_start else -1
+        calls = calls if calls >= 0 else len(answer)
+        parts = zip(KINDS, (answer[:reasoning_cut], answer[reasoning_cut:calls], answer[calls:]))
+        return [Segment(text, kind) for kind, text in parts if text]
 
     # ------------------------------------------------------------------------------------------ tokens
     def encode(self, segments: list[Segment]) -> tuple[list[list[int]], list[int]]:
@@ -165,12 +236,17 @@ class ChatTemplate:
         return ids, mask
 
     def user_prefix_ids(self) -> list[int]:
-        return self.encode([Segment(self.user_prefix, trained=False)])[0][0]
+        return self.encode([Segment(self.user_prefix)])[0][0]
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """What the target is given to write the next assistant turn after `messages`."""
-        ids, _ = self.encode(self.layout(messages, generation_prompt=True).segments)
+        ids, _ = self.encode(self.layout(messages, generation_prompt=True, tools=tools).segments)
         return [token for segment in ids for token in segment]
+
+    def tool_call_section(self, text: str) -> str:
+        """The tool-call section in an assistant's `text`, up to its end-of-turn token ('' when it has none)."""
+        start = text.find(self.tool_calls_start) if self.tool_calls_start else -1
+        return text[start:].split(self.end_of_turn)[0] if start >= 0 else ""
 
     def split_reasoning(self, completion: str) -> tuple[str, str]:
         """(reasoning, answer) of a raw completion. Without `</think>` it is all reasoning when the generation
@@ -180,3 +256,12 @@ class ChatTemplate:
             return reasoning.removeprefix(REASONING_START).strip(), answer.strip()
         return (completion.strip(), "") if self.opens_reasoning else ("", completion.strip())
 
+
+def _extension(prefix: str, text: str, index: int) -> str:
+    if not text.startswith(prefix):
+        raise _TurnRewritten(index)
+    return text[len(prefix):]
+
+
+def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in message.items() if key != "reasoning_content"}

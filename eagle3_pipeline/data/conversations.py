@@ -1,14 +1,23 @@
 """Conversations in one shape whatever schema they came in, and the bookkeeping of skipped records.
 
 A message is a dict `{"role": "system"|"user"|"assistant"|"tool", "content": str}`; an assistant message may
-also carry `reasoning_content` (OpenAI-style reasoning, as Kimi's API returns it) and, when the target wrote
-it in this stage, `completion` (its raw output text) and `finished` (it ended with its end-of-turn token).
+also carry `reasoning_content` (OpenAI-style reasoning, as Kimi's API returns it), `tool_calls` (OpenAI's
+`[{"id", "type": "function", "function": {"name", "arguments"}}]`; its content may then be empty) and, when
+the target wrote it in this stage, `completion` (its raw output text) and `finished` (it ended with its
+end-of-turn token). A tool message carries `tool_call_id` (and `name` when the record gives one); its
+content may be empty. A conversation's `tools` are OpenAI function declarations, passed to the template.
+
+ShareGPT tool records (`function_call` turns holding `{"name", "arguments"}` or a list of them,
+`observation` turns holding the results, `tools` a list or a JSON string of bare function schemas) become
+the same shape. They carry no call ids, so ids are written in Kimi's form `functions.NAME:IDX` (IDX counts
+the calls of the conversation), and each observation answers the oldest call not yet answered.
 A record that cannot become a valid conversation raises `InvalidConversation` with a short reason; the
 stage counts reasons instead of failing on them.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +27,7 @@ from eagle3_pipeline.config import SourceConfig
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "observation": "tool"}
+IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image (refused: not read yet)
 FIRST_IDS_KEPT = 5  # example ids recorded per skip reason
 
 
@@ -35,6 +45,7 @@ class Conversation:
     source: str
     messages: list[dict[str, Any]]
     magpie: SourceConfig | None = None  # set when the target still has to write the user turn
+    tools: list[dict[str, Any]] | None = None  # function declarations the conversation may call
 
 
 @dataclass
@@ -69,29 +80,111 @@ def to_messages(record: Any, schema: str) -> list[dict[str, Any]]:
         raise InvalidConversation("no_messages")
     if schema == "messages":
         return [_message(turn, "role", "content", {role: role for role in ROLES}) for turn in turns]
-    return [_message(turn, "from", "value", SHAREGPT_ROLES) for turn in turns]
+    return _answer_sharegpt_calls([_sharegpt_message(turn) for turn in turns])
+
+
+def to_tools(record: Any) -> list[dict[str, Any]] | None:
+    """The record's `tools` as OpenAI function declarations (a JSON string is parsed, bare schemas wrapped)."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if isinstance(tools, str):
+        tools = _parse_json(tools, "malformed_tools") if tools.strip() else None
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidConversation("malformed_tools")
+    return [tool if "type" in tool else {"type": "function", "function": tool} for tool in tools]
 
 
 def _message(turn: Any, role_key: str, content_key: str, roles: dict[str, str]) -> dict[str, Any]:
+    role = _role(turn, role_key, roles)
+    tool_calls = [_tool_call(call) for call in turn.get("tool_calls") or []] if role == "assistant" else []
+    empty_allowed = role == "tool" or bool(tool_calls)
+    message = {"role": role, "content": _text(turn.get(content_key), empty_allowed)}
+    reasoning = turn.get("reasoning_content")
+    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if role == "tool":
+        message |= {key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)}
+    return message
+
+
+def _role(turn: Any, role_key: str, roles: dict[str, str]) -> str:
     if not isinstance(turn, dict) or turn.get(role_key) is None:
         raise InvalidConversation("missing_role")
     role = roles.get(turn[role_key]) if isinstance(turn[role_key], str) else None
     if role is None:
         raise InvalidConversation("unknown_role")
-    message = {"role": role, "content": _text(turn.get(content_key))}
-    reasoning = turn.get("reasoning_content")
-    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
-        message["reasoning_content"] = reasoning
-    return message
+    return role
 
 
-def _text(content: Any) -> str:
-    """A string, or OpenAI content parts that are all text (joined); anything else is skipped."""
+def _tool_call(call: Any) -> dict[str, Any]:
+    """An OpenAI tool call with a string id, a function name and arguments (a JSON string or an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(call.get("id"), str)
+            and isinstance(function.get("arguments"), (str, dict))):
+        raise InvalidConversation("malformed_tool_call")
+    return {"id": call["id"], "type": "function",
+            "function": {"name": function["name"], "arguments": function["arguments"]}}
+
+
+def _sharegpt_message(turn: Any) -> dict[str, Any]:
+    """A ShareGPT turn; a `function_call` turn becomes an assistant turn whose calls have no id yet."""
+    if not (isinstance(turn, dict) and turn.get("from") == "function_call"):
+        return _message(turn, "from", "value", SHAREGPT_ROLES)
+    calls = _parse_json(turn.get("value"), "malformed_tool_call")
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise InvalidConversation("malformed_tool_call")
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]}
+
+
+def _answer_sharegpt_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give ShareGPT calls Kimi-style ids and each observation the id of the oldest call it has not answered."""
+    unanswered: list[str] = []
+    calls_made = 0
+    for message in messages:
+        calls = message.get("tool_calls", [])
+        ids = [f"functions.{call['function']['name']}:{calls_made + k}" for k, call in enumerate(calls)]
+        if calls:
+            message["tool_calls"] = [_tool_call(call | {"id": call_id}) for call, call_id in zip(calls, ids)]
+        unanswered += ids
+        calls_made += len(ids)
+        if message["role"] == "tool":
+            if not unanswered:
+                raise InvalidConversation("unanswerable_tool_result")
+            message["tool_call_id"] = unanswered.pop(0)
+    return messages
+
+
+def _parse_json(text: Any, reason: str) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise InvalidConversation(reason) from None
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in IMAGE_PARTS or bool(IMAGE_PARTS & part.keys()))
+
+
+def _text(content: Any, empty_allowed: bool = False) -> str:
+    """A string, or OpenAI content parts that are all text (joined); anything else is skipped, images under
+    their own reason. Only tool results and assistant turns that call tools may be empty (None reads as
+    empty there)."""
+    if content is None and empty_allowed:
+        return ""
+    if isinstance(content, list) and any(_is_image(part) for part in content):
+        raise InvalidConversation("images_unsupported")
     if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise InvalidConversation("non_string_content")
-    if not content.strip():
+    if not content.strip() and not empty_allowed:
         raise InvalidConversation("empty_content")
     return content
 

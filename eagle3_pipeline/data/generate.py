@@ -5,6 +5,14 @@ turn, then answers it. Regeneration: each assistant turn is replaced by the targ
 conversation so far (earlier answers already replaced), and a conversation ending with a user turn gets
 an answer; batches go round by round, one turn per conversation per round.
 
+Agentic conversations are regenerated turn by turn too, tool-calling turns included; the recorded tool
+results stay, as the target cannot know them. A regenerated turn that writes exactly the recorded turn's
+tool-call section (as the template renders it: ids, names and arguments to the character) keeps the
+recorded calls, so the recorded results answer them, and the conversation goes on. One that calls other
+tools, calls none where the recording called some, or calls some where the recording answered, ends the
+conversation there: it is kept through that turn (trained as the target wrote it) and the recorded turns
+after it, which answer other calls, are dropped.
+
 The work is split into chunks of `data.regenerate.chunk_size` conversations in a fixed order. Each finished
 chunk is written atomically to `generated/chunk-NNNNN.jsonl`; a rerun after a kill reads the finished chunks
 and generates only the missing ones, so nothing is lost or generated twice. Per-request seeds derive from
@@ -83,16 +91,29 @@ class Rewrite:
         self.conversation = conversation
         self.pending = list(conversation.messages)  # original turns not yet copied or replaced
         self.messages: list[dict[str, Any]] = []
+        self.replaced: dict[str, Any] | None = None  # the recorded answer the one being generated replaces
         self.skip: str | None = None
 
     def needs_answer(self) -> bool:
         """Copy the turns before the next answer; True when the target has an answer to write now."""
         while self.pending and self.pending[0]["role"] != "assistant":
             self.messages.append(self.pending.pop(0))
-        if self.pending:
-            self.pending.pop(0)  # the original answer, replaced by the one generated now
-            return True
-        return bool(self.messages) and self.messages[-1]["role"] != "assistant"
+        self.replaced = self.pending.pop(0) if self.pending else None
+        return self.replaced is not None or (bool(self.messages) and self.messages[-1]["role"] != "assistant")
+
+    def add_answer(self, template: ChatTemplate, completion: str, finished: bool) -> None:
+        """The target's answer (`finished`: it stopped on its end-of-turn token); a tool-call section other
+        than the recorded one ends the conversation here."""
+        reasoning, content = template.split_reasoning(completion)
+        calls = template.tool_call_section(content)
+        recorded = self.replaced.get("tool_calls") if self.replaced else None
+        answer = {"role": "assistant", "content": content, "completion": completion, "finished": finished}
+        if calls and recorded and calls == template.tool_call_section(template.render([self.replaced])):
+            answer |= {"content": content[: content.index(calls)].strip(), "tool_calls": recorded}
+        elif calls or recorded:
+            self.pending = []  # the recorded results answer other calls than these (or none)
+        self.messages.append(answer | ({"reasoning_content": reasoning} if reasoning else {}))
+        self.skip = None if completion.strip() else "empty_generation"
 
     def record(self) -> dict[str, Any]:
         if self.skip:
@@ -112,18 +133,14 @@ def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], conf
     while waiting := [r for r in rewrites if not r.skip and r.needs_answer()]:
         requests = [(r, ids, config.data.regenerate) for r in waiting if (ids := _prompt_ids(template, r)) is not None]
         for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}"):
-            reasoning, content = template.split_reasoning(output.text)
-            answer = {"role": "assistant", "content": content, "completion": output.text,
-                      "finished": output.finish_reason == "stop"}  # stopped on the end-of-turn token
-            rewrite.messages.append(answer | ({"reasoning_content": reasoning} if reasoning else {}))
-            rewrite.skip = None if output.text.strip() else "empty_generation"
+            rewrite.add_answer(template, output.text, finished=output.finish_reason == "stop")
         turn += 1
     return [r.record() for r in rewrites]
 
 
 def _prompt_ids(template: ChatTemplate, rewrite: Rewrite) -> list[int] | None:
     try:
-        return template.prompt_ids(rewrite.messages)
+        return template.prompt_ids(rewrite.messages, rewrite.conversation.tools)
     except InvalidConversation as err:  # e.g. a template that rejects this order of roles
         rewrite.skip = err.reason
         return None

@@ -8,18 +8,20 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle3_pipeline.config import DataConfig
-from eagle3_pipeline.data.chat_template import ChatTemplate
+from eagle3_pipeline.data.chat_template import KINDS, ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, up_to_last_answer
 
 
 def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool) -> dict[str, Any]:
-    """One row (`truncated` tells whether `data.max_seq_len` cut it); raises InvalidConversation.
+    """One row (`truncated` tells whether `data.max_seq_len` cut it, `loss_tokens_by_kind` counts its trained
+    tokens per kind for the report); raises InvalidConversation.
 
     `with_prompt` (eval) adds `prompt_ids`: the conversation up to and including the generation prompt of its
     last assistant turn, which stage 06 replays; an eval row whose prompt does not fit is skipped."""
-    layout = template.layout(up_to_last_answer(conversation.messages))
+    layout = template.layout(up_to_last_answer(conversation.messages), tools=conversation.tools)
     segment_ids, loss_mask = template.encode(layout.segments)
     input_ids = [token for ids in segment_ids for token in ids]
+    kinds = [segment.kind for segment, ids in zip(layout.segments, segment_ids) for _ in ids]
     prompt_len = sum(len(ids) for ids in segment_ids[: layout.prompt_end])
     truncated = len(input_ids) > data.max_seq_len
     if truncated and data.overlong == "drop":
@@ -36,6 +38,7 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
         "loss_mask": np.asarray(loss_mask, dtype=np.int8),
         "seq_len": len(input_ids),
         "truncated": truncated,
+        "loss_tokens_by_kind": {kind: kinds[: data.max_seq_len].count(kind) for kind in KINDS},
     }
     if with_prompt:
         row["prompt_ids"] = row["input_ids"][:prompt_len]

