@@ -27,7 +27,7 @@ from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
 LAYER_ID_CONVENTION = (
     "vLLM: aux id i is the residual stream entering decoder layer i (hidden_states + residual), equal to "
@@ -56,16 +56,6 @@ class ShardPlan:
     @property
     def tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.samples)
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: one early, one middle, one late layer (vLLM's and speculators' choice)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def target_text_config(model_dir: Path) -> dict:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("text_config", config)  # Kimi-K2.5 nests its DeepSeek-V3 text model
 
 
 def load_samples(data_dir: Path) -> list[Sample]:
@@ -101,9 +91,9 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
 
     # What to capture: the aux layers, plus the final layer output the training targets need.
     model_dir = target_path(config.target)
-    text_config = target_text_config(model_dir)
-    num_layers, hidden_size = text_config["num_hidden_layers"], text_config["hidden_size"]
-    aux_layer_ids = config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
+    text = text_config(model_dir)
+    num_layers, hidden_size = text["num_hidden_layers"], text["hidden_size"]
+    aux_layer_ids = run_aux_layer_ids(config, num_layers)
     if max(aux_layer_ids) >= num_layers:
         raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
     dtype, streaming = config.capture.dtype, config.capture.mode == "stream"
@@ -120,7 +110,7 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     print(f"shards: {len(plans)} in all, {len(mine)} for job {shard_index}/{num_shards}, {len(todo)} to capture")
     check_disk(stage, samples, todo, per_token, ignore_disk_check)
 
-    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text_config, aux_layer_ids))
+    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text, aux_layer_ids))
     if todo:
         with stage.timed("capture"):
             capture_shards(stage, config, capturer(), hidden_size, todo, aux_layer_ids)
@@ -148,10 +138,10 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
                      extra={"layout": layout, "bytes_per_token": per_token})
 
 
-def open_capturer_for(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int]):
+def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
     from eagle3_pipeline.capture_engine import open_capturer  # imports vLLM: only where it is needed
 
-    return open_capturer(config, model_dir, text_config, aux_layer_ids)
+    return open_capturer(config, model_dir, text, aux_layer_ids)
 
 
 def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_token: int, ignore: bool) -> None:

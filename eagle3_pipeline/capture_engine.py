@@ -23,6 +23,7 @@ from packaging.version import Version
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.target import is_mla
 
 FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
 CapturedStates = tuple[torch.Tensor, torch.Tensor]
@@ -44,8 +45,7 @@ def vllm_version() -> Version:
 def choose_method(method: str, text_config: dict) -> str:
     if method != "auto":
         return method
-    is_mla = text_config.get("kv_lora_rank") is not None
-    if vllm_version() >= FIRST_VLLM_WITH_EXTRACTION and not is_mla:
+    if vllm_version() >= FIRST_VLLM_WITH_EXTRACTION and not is_mla(text_config):
         return "extract_hidden_states"
     return "worker_extension"
 

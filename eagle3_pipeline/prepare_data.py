@@ -14,9 +14,7 @@ chat template and writes to `<run_dir>/01_data/`:
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import DataConfig, RunConfig
@@ -27,7 +25,7 @@ from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
 from eagle3_pipeline.data.stats import generation_stats, split_stats, token_frequencies
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path, text_config
 
 
 def run(config: RunConfig, force: bool = False) -> None:
@@ -64,7 +62,7 @@ def run(config: RunConfig, force: bool = False) -> None:
     with stage.timed("write"):
         _save_split(stage, "train", train_rows)
         _save_split(stage, "eval", eval_rows)
-        _save_token_freq(stage, train_rows, _vocab_size(model_dir))
+        _save_token_freq(stage, train_rows, text_config(model_dir)["vocab_size"])
         stats = {
             "train": split_stats(train_rows, data.max_seq_len),
             "eval": split_stats(eval_rows, data.max_seq_len),
@@ -118,9 +116,3 @@ def _save_token_freq(stage: Stage, rows: list[dict[str, Any]], vocab_size: int) 
         raise StageError(f"the tokenizer produced token id {len(counts) - 1}, beyond the target's vocab ({vocab_size})")
     with stage.atomic("token_freq.safetensors") as tmp:
         save_file({"counts": counts}, str(tmp))
-
-
-def _vocab_size(model_dir: Path) -> int:
-    """The target's vocab size (Kimi keeps it in text_config)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("vocab_size") or config["text_config"]["vocab_size"]

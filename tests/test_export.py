@@ -14,7 +14,8 @@ from eagle3_pipeline import export
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.stage_io import StageError, read_manifest
-from eagle3_pipeline.validate.spec import draft_fields, read_spec, run_spec
+from eagle3_pipeline.export import run_spec
+from eagle3_pipeline.export_format import draft_fields, read_spec
 from tests.conftest import CONFIGS, run_python
 from tests.validate.runs import trained_tiny_run
 

@@ -26,7 +26,7 @@ from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
 from eagle3_pipeline.stream import Consumer, StreamTimeout, Waiter, open_transport
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, StreamedRows, plan_packs, rank_share

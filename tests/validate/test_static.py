@@ -13,7 +13,7 @@ from eagle3_pipeline import export
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.validate import stage
 from eagle3_pipeline.validate.compare import BREAKING, COSMETIC, OPTIONAL, check_vocab_maps, static_differences
-from eagle3_pipeline.validate.spec import read_spec, run_spec
+from eagle3_pipeline.export_format import read_spec, reference_spec
 from eagle3_pipeline.validate.weights_probe import skipped_parameters
 from tests.conftest import run_python
 from tests.validate.runs import trained_tiny_run
@@ -78,7 +78,7 @@ DEFECTS = {
 
 def test_good_export_passes(good_export):
     config, path, folder = good_export
-    assert static_differences(folder, run_spec(config, "reference"), 2048) == []
+    assert static_differences(folder, reference_spec(config), 2048) == []
     result = run_python("06_validate.py", "--config", str(path), "--check", str(folder))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "0 differences" in result.stdout
@@ -116,7 +116,7 @@ def test_cosmetic_and_optional_differences_pass(good_export, tmp_path):
         state.pop("t2d")
 
     folder = planted(good, tmp_path, tensors=change)
-    kinds = {d.where: d.kind for d in static_differences(folder, run_spec(config, "reference"), 2048)}
+    kinds = {d.where: d.kind for d in static_differences(folder, reference_spec(config), 2048)}
     assert kinds["tensor layers.0.mlp.up_proj.weight"] == COSMETIC and kinds["tensor t2d"] == COSMETIC
     assert kinds["tensor embed_tokens.weight"] == OPTIONAL and BREAKING not in kinds.values()
     assert run_python("06_validate.py", "--config", str(path), "--check", str(folder)).returncode == 0
