@@ -20,9 +20,10 @@ def demo_config(tmp_path: Path) -> RunConfig:
     return load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path / 'run'}"])
 
 
-def run_python(*args: str, cwd: Path = ROOT, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run `python ARGS` the way a user would, capturing its output."""
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def run_python(*args: str, cwd: Path = ROOT, timeout: float = 900,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python ARGS` the way a user would (in environment `env`, default this one), capturing its output."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="session")
