@@ -144,7 +144,7 @@ def our_token_budget(config) -> int:
     import datasets
     import numpy as np
 
-    from eagle3_pipeline.train.data import PackStream
+    from eagle3_pipeline.pack_plan import PackStream
 
     train = config.train
     split = datasets.load_from_disk(str(Path(config.run_dir) / "01_data" / "train"))

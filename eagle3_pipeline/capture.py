@@ -26,6 +26,7 @@ from tqdm import tqdm
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
 from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
@@ -200,8 +201,6 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample],
                  num_shards: int) -> dict | None:
     """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
     finished (the last one writes the manifest), else None."""
-    from eagle3_pipeline.train.data import PackStream
-
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
     per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])

@@ -18,7 +18,7 @@ from eagle3_pipeline.hidden_states_store import SampleStates
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
 from eagle3_pipeline.stream import CONSUMER, PackItem, Producer, decode_item, encode_item, open_transport
 from eagle3_pipeline.train import loop
-from eagle3_pipeline.train.data import PackStream
+from eagle3_pipeline.pack_plan import PackStream
 from tests.train.fabricate import (
     TINY,
     random_samples,

@@ -29,7 +29,8 @@ from eagle3_pipeline.stream import Consumer, StreamTimeout, Waiter, open_transpo
 from eagle3_pipeline.target import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
-from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, StreamedRows, plan_packs, rank_share
+from eagle3_pipeline.pack_plan import PackStream, plan_packs
+from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
 from eagle3_pipeline.train.draft_model import build_draft, compile_layers, load_frozen_and_vocab
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.metrics import MetricsLog, summarize
