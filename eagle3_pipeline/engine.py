@@ -8,12 +8,14 @@ guard in the script that starts it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +35,33 @@ def on_cpu() -> bool:
 
 
 def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
-    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
+    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides.
+
+    The engine's environment variables are set only while it is built: vLLM's engine and worker processes,
+    spawned then, take their copy, and the next engine of this process starts from the caller's environment.
+    """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
-    os.environ.update(environment)  # read by the engine process vLLM spawns below
     from vllm import LLM
 
-    return LLM(**settings)
+    with scoped_environment(environment):
+        return LLM(**settings)
+
+
+@contextlib.contextmanager
+def scoped_environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in os.environ inside the block; each one's previous value (or absence) restored after."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None,
