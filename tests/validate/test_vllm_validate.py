@@ -1,5 +1,5 @@
-"""05 + 06 end to end in vLLM CPU: the demo draft speeds SmolLM2 up, and the serving command 06 prints serves it
-through vLLM's OpenAI-compatible server; the tiny Kimi draft serves on its target.
+"""05 + 06 end to end in vLLM CPU: the demo draft is accepted and keeps SmolLM2's greedy outputs, the serving
+command 06 prints serves it through vLLM's OpenAI-compatible server, and the tiny Kimi draft serves on its target.
 
 One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format;
 tiny Kimi with the draft only.
@@ -74,11 +74,14 @@ def validated_demo(tmp_path_factory):
 
 
 @pytest.mark.vllm
-def test_demo_draft_speeds_up_smollm2(validated_demo):
+def test_demo_draft_is_accepted_and_keeps_smollm2s_greedy_outputs(validated_demo):
+    """What the draft does on this CPU: drafts accepted, greedy outputs unchanged. Not a speed-up: with two
+    cores the run with the draft is slower (the demo measured 0.70x); the speed-up is reported, not asserted."""
     config, report = validated_demo
     assert report["num_speculative_tokens"] == 3 and len(report["acceptance_per_position"]) == 3
     assert report["mean_acceptance_length"] > 1.5
-    assert report["greedy_identical_fraction"] is not None
+    assert report["greedy_identical_fraction"] == 1.0
+    assert report["runs"][0]["speedup"] > 0
     assert (config.run_dir / "06_validate" / "acceptance.png").stat().st_size > 10_000
     assert report["serving_command"] in (config.run_dir / "06_validate" / "report.md").read_text()
 
