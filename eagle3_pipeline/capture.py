@@ -85,6 +85,8 @@ def shard_is_done(stage: Stage, plan: ShardPlan, num_aux: int, hidden_size: int,
 
 def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards: int = 1,
         ignore_disk_check: bool = False) -> None:
+    """Stage 02: job `shard_index` of `num_shards` captures its shards of 01's samples (in stream mode, the eval
+    split, then 04's packs while 04 trains); the job that completes the last shard writes the index."""
     stage = Stage(config, "02_hidden_states", force=force)
     if stage.is_complete():
         return
@@ -117,8 +119,7 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
             capture_shards(stage, config, capturer(), hidden_size, todo, aux_layer_ids)
 
     missing = [p.file for p in plans if not shard_is_done(stage, p, len(aux_layer_ids), hidden_size, dtype)]
-    layout = {"aux_layer_ids": aux_layer_ids, "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
-              "hidden_size": hidden_size, "dtype": dtype}
+    layout = states_layout(aux_layer_ids, num_layers, hidden_size, dtype)
     if missing:
         print(f"job {shard_index}/{num_shards}: {len(missing)} shards of other jobs still missing (the job that "
               f"completes the last one writes the index{' and opens the stream' if streaming else ''})")
@@ -126,17 +127,33 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
         write_index(stage, plans, layout)
     if not streaming:
         if not missing:
-            stage.finish(counts=shard_counts(stage, plans), extra={"layout": layout, "bytes_per_token": per_token})
+            stage.finish(counts=shard_counts(stage, plans), extra=layout_record(layout))
         return
     if not missing:
-        stage.open_stream({"layout": layout, "bytes_per_token": per_token,
-                           "pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+        open_stream(stage, layout)
     with stage.timed("stream"):
         counts = stream_packs(stage, config, capturer, [s for s in samples if s.split == "train"], layout,
                               shard_index, num_shards)
     if counts is not None:
-        stage.finish(counts={**shard_counts(stage, plans), "stream": counts},
-                     extra={"layout": layout, "bytes_per_token": per_token})
+        stage.finish(counts={**shard_counts(stage, plans), "stream": counts}, extra=layout_record(layout))
+
+
+def states_layout(aux_layer_ids: list[int], num_layers: int, hidden_size: int, dtype: str) -> dict:
+    """How 02's states are laid out, as index.json, the manifest and stream.json record it."""
+    return {"aux_layer_ids": list(aux_layer_ids), "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
+            "hidden_size": hidden_size, "dtype": dtype}
+
+
+def layout_record(layout: dict) -> dict:
+    """The layout and the bytes each token's states take: what 02's manifest and stream.json carry."""
+    per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+    return {"layout": layout, "bytes_per_token": per_token}
+
+
+def open_stream(stage: Stage, layout: dict) -> None:
+    """stream.json: the eval shards are complete and 04 may start on the stream, in the pack plan of this config."""
+    train = stage.config.train
+    stage.open_stream({**layout_record(layout), "pack_plan": {"packed_length": train.packed_length, "seed": train.seed}})
 
 
 def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
@@ -185,16 +202,20 @@ def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, 
                 batch = plan.samples[start : start + batch_size]
                 captured += capture_checked(capturer, batch, len(aux_layer_ids), hidden_size)
                 progress.update(sum(len(s.input_ids) for s in batch))
-            entries = store.write_shard(stage.path(plan.file), captured, config.capture.dtype)
-            problem = store.verify_shard(stage.path(plan.file), plan.tokens, len(aux_layer_ids), hidden_size,
-                                         config.capture.dtype)
-            if problem:
-                raise StageError(f"shard failed verification after writing: {problem}")
-            splits = {s.sample_id: s.split for s in plan.samples}
-            write_json_atomic(stage.path(plan.file + ".json"),
-                              {k: {**asdict(v), "split": splits[k]} for k, v in entries.items()})
+            write_shard_files(stage, plan, captured, config.capture.dtype)
     elapsed = time.perf_counter() - started
     print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s)")
+
+
+def write_shard_files(stage: Stage, plan: ShardPlan, captured: list[store.SampleStates], dtype: str) -> None:
+    """One shard and its index part, the shard verified after writing: what makes a shard count as done."""
+    entries = store.write_shard(stage.path(plan.file), captured, dtype)
+    num_aux, hidden_size = captured[0].aux.shape[1:]
+    problem = store.verify_shard(stage.path(plan.file), plan.tokens, num_aux, hidden_size, dtype)
+    if problem:
+        raise StageError(f"shard failed verification after writing: {problem}")
+    splits = {s.sample_id: s.split for s in plan.samples}
+    write_json_atomic(stage.path(plan.file + ".json"), {k: {**asdict(v), "split": splits[k]} for k, v in entries.items()})
 
 
 def stream_packs(stage: Stage, config: RunConfig, capturer, train: list[Sample], layout: dict, shard_index: int,

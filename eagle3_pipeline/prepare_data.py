@@ -29,6 +29,7 @@ from eagle3_pipeline.target import target_path, text_config
 
 
 def run(config: RunConfig, force: bool = False) -> None:
+    """Stage 01: read the sources, let the target write its turns, tokenize with its template, write 01_data."""
     stage = Stage(config, "01_data", force=force)
     if stage.is_complete():
         return
@@ -59,24 +60,31 @@ def run(config: RunConfig, force: bool = False) -> None:
     if not eval_rows:
         print("warning: the eval split is empty (set data.eval_sources or data.eval_fraction): 06 has no prompts")
 
-    with stage.timed("write"):
-        _save_split(stage, "train", train_rows)
-        _save_split(stage, "eval", eval_rows)
-        _save_token_freq(stage, train_rows, text_config(model_dir)["vocab_size"])
-        stats = {
-            "train": split_stats(train_rows, data.max_seq_len),
-            "eval": split_stats(eval_rows, data.max_seq_len),
-            "skipped": skips.as_dict(),
-            "generation": generation_stats(conversations),
-        }
-        write_json_atomic(stage.path("stats.json"), stats)
+    stats = {
+        "train": split_stats(train_rows, data.max_seq_len),
+        "eval": split_stats(eval_rows, data.max_seq_len),
+        "skipped": skips.as_dict(),
+        "generation": generation_stats(conversations),
+    }
     print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
           f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "
           f"skipped {sum(skips.counts.values())}")
+    write_prepared(stage, train_rows, eval_rows, text_config(model_dir)["vocab_size"], stats)
+
+
+def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], vocab_size: int,
+                   stats: dict[str, Any]) -> None:
+    """01's files from its tokenized rows (`samples.to_row`'s form), then its manifest: the one writer of a
+    finished 01_data (the tests' fabricated ones come through here too)."""
+    with stage.timed("write"):
+        _save_split(stage, "train", train_rows)
+        _save_split(stage, "eval", eval_rows)
+        _save_token_freq(stage, train_rows, vocab_size)
+        write_json_atomic(stage.path("stats.json"), stats)
     stage.finish(counts={
         "train_samples": len(train_rows), "eval_samples": len(eval_rows),
         "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],
-        "skipped": sum(skips.counts.values()),
+        "skipped": sum(reason["count"] for reason in stats["skipped"].values()),
     })
 
 

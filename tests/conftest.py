@@ -46,20 +46,15 @@ def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str,
     For tests of later stages that need realistic inputs without running stage 01 (and its vLLM generation).
     Every token is marked as loss; ids are `<split>-<n>`.
     """
-    from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.stage_io import Stage
+    from eagle3_pipeline.target import text_config
+    from tests.train.fabricate import write_data_stage
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stage = Stage(config, "01_data")
-    stage.begin()
+    samples = {split: [] for split in ("train", "eval")}
     for split, conversations in chats.items():
-        rows = {"id": [], "source": [], "input_ids": [], "loss_mask": [], "seq_len": []}
         for n, messages in enumerate(conversations):
             ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-            for key, value in (("id", f"{split}-{n}"), ("source", "fabricated"), ("input_ids", ids),
-                               ("loss_mask", [1] * len(ids)), ("seq_len", len(ids))):
-                rows[key].append(value)
-        Dataset.from_dict(rows).save_to_disk(str(stage.path(split)))
-    stage.finish(counts={split: len(conversations) for split, conversations in chats.items()})
+            samples[split].append({"id": f"{split}-{n}", "input_ids": ids, "loss_mask": [1] * len(ids)})
+    write_data_stage(config, samples["train"], samples["eval"], text_config(model_dir)["vocab_size"])
