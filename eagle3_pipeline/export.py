@@ -41,6 +41,7 @@ from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import build_draft
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
+    """Stage 05: the last checkpoint (or `checkpoint`) as one draft folder per `export.formats`."""
     stage = Stage(config, "05_export", force=force)
     train_dir = stage.input_dir("04_train")
     step_dir = choose_checkpoint(train_dir, checkpoint)

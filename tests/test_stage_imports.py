@@ -88,3 +88,19 @@ def test_the_walk_sees_function_level_imports():
     """The checker itself: an import inside a function of a later stage's module counts."""
     assert "eagle3_pipeline.capture_engine" in reached("eagle3_pipeline.capture")  # imported inside a function
     assert owner("eagle3_pipeline.train.data") == "04_train" and owner("eagle3_pipeline.stream") is None
+
+
+def test_every_entry_point_a_script_calls_has_a_docstring():
+    """The stage module's functions its numbered script calls (run, and e.g. 05's write_spec_only, 06's check)."""
+    missing, called = [], 0
+    for spec in ORDER:
+        alias = spec.module.rsplit(".", 1)[1]
+        script = ast.parse((ROOT / spec.script).read_text())
+        names = {n.func.attr for n in ast.walk(script) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id == alias}
+        assert "run" in names, spec.script
+        functions = {n.name: n for n in ast.parse(module_file(spec.module).read_text()).body
+                     if isinstance(n, ast.FunctionDef)}
+        missing += [f"{spec.module}.{name}" for name in sorted(names) if not ast.get_docstring(functions[name])]
+        called += len(names)
+    assert called > len(ORDER) and missing == []

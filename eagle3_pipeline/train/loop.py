@@ -40,6 +40,8 @@ from eagle3_pipeline.vocab import load_draft_vocab
 
 
 def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_step: int | None = None) -> None:
+    """Stage 04: train the draft on 02's states (`resume`: from the last checkpoint; `stop_at_step`: checkpoint
+    and stop there, unfinished)."""
     train = config.train
     accelerator = make_accelerator(train)
     stage = Stage(config, "04_train", force=force)
