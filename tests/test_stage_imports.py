@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.stage_io import STAGES
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 
 ORDER = list(STAGES.values())
 
@@ -104,3 +104,13 @@ def test_every_entry_point_a_script_calls_has_a_docstring():
         missing += [f"{spec.module}.{name}" for name in sorted(names) if not ast.get_docstring(functions[name])]
         called += len(names)
     assert called > len(ORDER) and missing == []
+
+
+def test_the_stages_command_lists_each_stage_with_script_module_inputs_and_outputs():
+    result = run_python("-m", "eagle3_pipeline", "stages")
+    assert result.returncode == 0, result.stderr
+    blocks = result.stdout.split("\n0")
+    assert len(blocks) == len(ORDER)
+    for spec, block in zip(ORDER, blocks):
+        assert spec.script in block and spec.module in block and spec.writes in block
+        assert all(name in block for name in spec.inputs)
