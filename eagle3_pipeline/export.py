@@ -31,7 +31,6 @@ from eagle3_pipeline.export_format import (
     implied_tensors,
     read_spec,
     reference_config,
-    reference_spec,
     run_reference_config,
     stored_tensors,
 )
@@ -39,6 +38,7 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_jso
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import build_draft
+
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
     """Stage 05: the last checkpoint (or `checkpoint`) as one draft folder per `export.formats`."""
@@ -138,12 +138,8 @@ def parameter_count(state: dict[str, torch.Tensor]) -> int:
 # --------------------------------------------------------------------------------------------- outputs
 def run_spec(config: RunConfig, fmt: str) -> Spec:
     """The spec the run config implies for one export format."""
-    if fmt == "reference":
-        return reference_spec(config)
     reference = run_reference_config(config)
-    speculators = speculators_config(reference, serving_path(config.target), architectures(config.target),
-                                     config.export.num_speculative_tokens)
-    return Spec(speculators, implied_tensors(reference, fmt))
+    return Spec(export_config(config, reference, fmt), implied_tensors(reference, fmt))
 
 
 def speculators_config(reference: dict, verifier: str, verifier_architectures: list[str], k: int) -> dict:

@@ -19,6 +19,7 @@ from eagle3_pipeline.export_format import (
     dtype_name,
     export_dtype,
     read_spec,
+    reference_spec,
     run_reference_config,
 )
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
@@ -55,9 +56,11 @@ def test_norm_knobs_reach_the_export_config_and_tensors():
 ])
 def test_the_tensors_a_config_implies_are_the_ones_training_builds(name, knobs):
     """06 computes the shapes from config.json alone; they must be what speculators' draft class builds."""
-    reference = run_reference_config(load_config(CONFIGS / f"{name}.yaml", knobs))
+    config = load_config(CONFIGS / f"{name}.yaml", knobs)
+    reference = run_reference_config(config)
     built = {n: (list(t.shape), dtype_name(export_dtype(t))) for n, t in meta_draft(reference).state_dict().items()}
     assert draft_tensor_shapes(reference) == built
+    assert run_spec(config, "reference") == reference_spec(config)  # what 05 records is what 06 computes
 
 
 def test_spec_only_kimi_equals_the_reference_except_the_listed_fields(tmp_path):
