@@ -1,4 +1,5 @@
-# make setup   create .venv with everything this machine needs (GPU or CPU), idempotently
+# make setup   create .venv with everything this machine needs (GPU or CPU), idempotently, and fetch the
+#              vLLM 0.16.0 wheel the patch tests read
 # make test    run the test suite (vLLM tests included)
 # make demo    run every pipeline stage on configs/demo.yaml, in order
 
@@ -10,9 +11,16 @@ PLATFORM := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cp
 REQUIREMENTS := requirements.txt requirements-vllm-$(PLATFORM).txt requirements-assets.txt pyproject.toml
 STAMP := $(VENV)/.setup-$(PLATFORM)
 
-.PHONY: setup test demo clean-venv
+# The vLLM 0.16.0 wheel whose source tests/patches/ read, pinned by sha256: fetched here, so `make test` downloads nothing.
+WHEELS := $(or $(EAGLE3_CACHE_DIR),$(HOME)/.cache/eagle3_pipeline)/wheels
 
-setup: $(STAMP)
+.PHONY: setup vllm-source-wheel test demo clean-venv
+
+setup: $(STAMP) vllm-source-wheel
+
+vllm-source-wheel: $(STAMP)
+	@ls $(WHEELS)/vllm-0.16.0-*.whl >/dev/null 2>&1 || $(PY) -m pip download -q --no-deps --only-binary=:all: \
+		--require-hashes -r requirements-vllm-source.txt -d $(WHEELS)
 
 # The stamp is newer than every requirements file once setup succeeded: rerunning is a no-op.
 $(STAMP): $(REQUIREMENTS)

@@ -39,15 +39,14 @@ def fixed_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> li
 def run_variant(variant: str, count: int, length: int, batch: int, out: Path) -> None:
     """Inside the variant's own process: start the engine, time the prompts, write JSON to `out`."""
     from eagle3_pipeline import hidden_states_store as store
-    from eagle3_pipeline.capture import default_aux_layer_ids, target_text_config
     from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stand_ins import target_path
+    from eagle3_pipeline.target import default_aux_layer_ids, target_path, text_config
 
     config = load_config(ROOT / "configs" / "demo.yaml", [f"capture.method={variant}"] if variant != "prefill" else [])
     model_dir = target_path(config.target)
-    text_config = target_text_config(model_dir)
-    aux_ids = default_aux_layer_ids(text_config["num_hidden_layers"])
-    prompts = fixed_prompts(count + batch, length, text_config["vocab_size"])
+    text = text_config(model_dir)
+    aux_ids = default_aux_layer_ids(text["num_hidden_layers"])
+    prompts = fixed_prompts(count + batch, length, text["vocab_size"])
     if variant == "prefill":
         from vllm import SamplingParams, TokensPrompt
 
@@ -62,7 +61,7 @@ def run_variant(variant: str, count: int, length: int, batch: int, out: Path) ->
     else:
         from eagle3_pipeline.capture_engine import open_capturer
 
-        capturer = open_capturer(config, model_dir, text_config, aux_ids)
+        capturer = open_capturer(config, model_dir, text, aux_ids)
         step = capturer.capture
 
     step(prompts[:batch])  # warm-up

@@ -35,7 +35,7 @@ def run_setting(reserved: str, seqs: int, prompts: int, max_tokens: int, out: Pa
 
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.engine import start_engine
-    from eagle3_pipeline.stand_ins import target_path
+    from eagle3_pipeline.target import target_path
 
     overrides = [f"target.engine.max_num_seqs={seqs}",
                  f"target.engine.cpu_reserved_cores={'null' if reserved == 'default' else reserved}"]

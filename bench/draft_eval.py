@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from eagle3_pipeline.pack_plan import plan_packs
 from eagle3_pipeline.train.attention import ttt_masks
-from eagle3_pipeline.train.data import PackedRows, plan_packs
+from eagle3_pipeline.train.data import PackedRows
 from eagle3_pipeline.train.draft_model import VerifierTargets
 
 

@@ -144,7 +144,7 @@ def our_token_budget(config) -> int:
     import datasets
     import numpy as np
 
-    from eagle3_pipeline.train.data import PackStream
+    from eagle3_pipeline.pack_plan import PackStream
 
     train = config.train
     split = datasets.load_from_disk(str(Path(config.run_dir) / "01_data" / "train"))
@@ -231,7 +231,7 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
     max_steps, tokens = matched_steps(batches, budget)
     per_epoch = len(train_batches(data_dir, total_seq_len, facts["train_data_ratio"], seed, epochs=1))
     epochs = -(-max_steps // per_epoch)  # its loop runs whole epochs; max_steps cuts the last one
-    from eagle3_pipeline.stand_ins import target_path
+    from eagle3_pipeline.target import target_path
 
     verifier = target_path(config.target)
     cmd = [
@@ -303,7 +303,7 @@ def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -
 
 
 def measure(args, clock: Clock, record: dict, k: int, config, prompts: list[list[int]]) -> dict:
-    from eagle3_pipeline.stand_ins import target_path
+    from eagle3_pipeline.target import target_path
     from eagle3_pipeline.validate.acceptance import serve
 
     path = Path(record["run_dir"]) / f"bench_serve_k{k}_{len(prompts)}x{config.validate_.max_tokens}.json"

@@ -369,6 +369,7 @@ def write_target(folder: Path, shape: dict, device: torch.device) -> None:
         tensors[f"{prefix}lm_head.weight"] = weights(vocab, hidden)
     save_file(tensors, str(folder / "model.safetensors"))
     text = {"hidden_size": hidden, "vocab_size": vocab, "rms_norm_eps": 1e-6 if prefix else 1e-5,
+            "num_hidden_layers": max(shape["aux_layer_ids"]) + 3,  # the aux ids are the default (2, L//2, L-3)
             "tie_word_embeddings": shape["tied"]}
     config = {"model_type": "kimi_k25", "text_config": text} if prefix else {"model_type": "llama", **text}
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -376,11 +377,9 @@ def write_target(folder: Path, shape: dict, device: torch.device) -> None:
 
 def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
     """Finished 01_data, 02_hidden_states (random bf16 states) and 03_vocab (the real stage) under `config`."""
-    import datasets
-
     from eagle3_pipeline import vocab
-    from eagle3_pipeline.hidden_states_store import SampleStates, write_index, write_shard
-    from eagle3_pipeline.stage_io import Stage
+    from eagle3_pipeline.hidden_states_store import SampleStates
+    from tests.train.fabricate import write_data_stage, write_states_stage  # the stages' own writers
 
     rng = np.random.default_rng(0)
     low, high = shape["lengths"]
@@ -393,36 +392,17 @@ def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
             ids = (rng.zipf(1.3, length) % shape["vocab"]).tolist()  # a skewed token distribution
             samples[split].append({"id": f"{split}-{i:05d}", "input_ids": ids,
                                    "loss_mask": [0] * prompt + [1] * (length - prompt)})
-    stage = Stage(config, "01_data")
-    stage.begin()
-    for split, rows in samples.items():
-        columns = {key: [s[key] for s in rows] for key in ("id", "input_ids", "loss_mask")}
-        columns |= {"source": ["fabricated"] * len(rows), "seq_len": [len(s["input_ids"]) for s in rows]}
-        datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(split)))
-    freq = np.zeros(shape["vocab"], dtype=np.int64)
-    for s in samples["train"]:
-        np.add.at(freq, np.asarray(s["input_ids"])[np.asarray(s["loss_mask"], dtype=bool)], 1)
-    from safetensors.torch import save_file
-
-    save_file({"counts": torch.from_numpy(freq)}, str(stage.path("token_freq.safetensors")))
-    stage.finish(counts={split: len(rows) for split, rows in samples.items()})
-
-    stage = Stage(config, "02_hidden_states")
-    stage.begin()
+    write_data_stage(config, samples["train"], samples["eval"], shape["vocab"])
     gen = torch.Generator(device).manual_seed(1)
     every = samples["train"] + samples["eval"]
-    entries, num_aux, hidden = {}, len(shape["aux_layer_ids"]), shape["hidden"]
-    for start in range(0, len(every), 16):
-        states = []
-        for s in every[start:start + 16]:
-            tokens = len(s["input_ids"])
-            states.append(SampleStates(
-                s["id"], torch.randn(tokens, num_aux, hidden, generator=gen, device=device).to(torch.bfloat16).cpu(),
-                torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16).cpu()))
-        entries |= write_shard(stage.path(f"shard-{start // 16:05d}.safetensors"), states, "bfloat16")
-    write_index(stage.dir, entries, {"aux_layer_ids": shape["aux_layer_ids"], "convention": "vllm",
-                                     "hidden_size": hidden, "dtype": "bfloat16"})
-    stage.finish(counts={"samples": len(every)})
+    num_aux, hidden = len(shape["aux_layer_ids"]), shape["hidden"]
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, device=device).to(torch.bfloat16).cpu()
+
+    states = [SampleStates(s["id"], randn(len(s["input_ids"]), num_aux, hidden), randn(len(s["input_ids"]), hidden))
+              for s in every]
+    write_states_stage(config, states, shape["aux_layer_ids"])
     vocab.run(config)
 
     rows = sum(len(s["input_ids"]) - 1 for s in samples["train"])

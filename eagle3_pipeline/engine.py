@@ -8,16 +8,20 @@ guard in the script that starts it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.config import EngineConfig, RunConfig, TargetConfig
+from eagle3_pipeline.export_format import speculative_config
+from eagle3_pipeline.target import is_mla, serving_path, text_config
 
 # On a CPU-only machine the KV cache lives in host memory. An explicit size: vLLM's default is sized for
 # servers, and an explicit size skips its free-memory check, which other jobs on a shared machine can fail.
@@ -31,14 +35,33 @@ def on_cpu() -> bool:
 
 
 def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
-    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides."""
+    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides.
+
+    The engine's environment variables are set only while it is built: vLLM's engine and worker processes,
+    spawned then, take their copy, and the next engine of this process starts from the caller's environment.
+    """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
-    os.environ.update(environment)  # read by the engine process vLLM spawns below
     from vllm import LLM
 
-    return LLM(**settings)
+    with scoped_environment(environment):
+        return LLM(**settings)
+
+
+@contextlib.contextmanager
+def scoped_environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in os.environ inside the block; each one's previous value (or absence) restored after."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None,
@@ -62,7 +85,7 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
         settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if engine.cpu_reserved_cores is not None:
             environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
-        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(model_dir):
+        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(text_config(model_dir)):
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
@@ -80,6 +103,19 @@ def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str
         if value is not True:
             words.append(json.dumps(value) if isinstance(value, dict) else str(value))
     return shlex.join(words)
+
+
+def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None = None) -> str:
+    """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
+    measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
+    export_dir = Path(export_dir).resolve()
+    speculative = speculative_config(export_dir, k or config.export.num_speculative_tokens)
+    settings, environment = engine_settings(config.target, Path(serving_path(config.target)),
+                                            speculative_config=speculative)
+    if fmt == "speculators":  # the folder names its verifier and holds its speculative config
+        del settings["speculative_config"]
+        settings["model"] = str(export_dir)
+    return server_command(settings, environment)
 
 
 # vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)
@@ -103,8 +139,3 @@ def server_launcher() -> list[str]:
             if any(Path(folder, *module.split(".")[1:]).with_suffix(".py").is_file() for folder in folders):
                 return [sys.executable, "-m", module, "--model"]
     return ["vllm", "serve"]
-
-
-def is_mla(model_dir: Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return "kv_lora_rank" in config.get("text_config", config)

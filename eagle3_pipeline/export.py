@@ -19,28 +19,29 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.engine import engine_settings, server_command
-from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_json_atomic
-from eagle3_pipeline.train.checkpoint import step_dirs
-from eagle3_pipeline.train.draft_model import FROZEN
-from eagle3_pipeline.validate.acceptance import speculative_config
-from eagle3_pipeline.validate.spec import (
+from eagle3_pipeline.engine import serving_command
+from eagle3_pipeline.export_format import (
     SPEC_FILE,
     WEIGHTS_FILE,
+    Spec,
+    draft_fields,
+    draft_tensor_shapes,
     export_dtype,
     export_state_dict,
-    meta_draft,
+    implied_tensors,
     read_spec,
     reference_config,
-    run_spec,
-    speculators_config,
-    target_facts,
-    verifier_architectures,
-    verifier_path,
+    run_reference_config,
+    stored_tensors,
 )
+from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_json_atomic
+from eagle3_pipeline.target import architectures, serving_path, target_facts
+from eagle3_pipeline.train.checkpoint import step_dirs
+from eagle3_pipeline.train.draft_model import build_draft
 
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
+    """Stage 05: the last checkpoint (or `checkpoint`) as one draft folder per `export.formats`."""
     stage = Stage(config, "05_export", force=force)
     train_dir = stage.input_dir("04_train")
     step_dir = choose_checkpoint(train_dir, checkpoint)
@@ -65,10 +66,12 @@ def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -
             folder = write_export(stage, fmt, state, export_config(config, reference, fmt), card)
         print(f"05_export: {fmt:<11} {folder} ({sum(f.stat().st_size for f in folder.iterdir()) / 2**20:.1f} MiB)")
     print("serve it with:\n  " + serving_command(config, stage.path(config.export.formats[0]), config.export.formats[0]))
+    # What 06 checks each folder against: the spec the config implies (06 cannot build speculators' config)
+    specs = {fmt: run_spec(config, fmt).to_json() for fmt in config.export.formats}
     stage.finish(
         counts={"tensors": len(export_state_dict(state, "reference")), "parameters": parameter_count(state)},
         extra={"checkpoint": str(step_dir.relative_to(config.run_dir)), "eval_metrics": metrics,
-               "aux_layer_ids": trained["aux_layer_ids"], "formats": list(config.export.formats)},
+               "aux_layer_ids": trained["aux_layer_ids"], "formats": list(config.export.formats), "specs": specs},
     )
 
 
@@ -107,9 +110,9 @@ def refuse_other_checkpoint(stage: Stage, step_dir: Path, force: bool) -> None:
 def load_checkpoint_state(step_dir: Path, reference: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, checked name by name and shape by shape against the draft the config builds."""
     state = load_file(str(step_dir / WEIGHTS_FILE))
-    built = {n: t for n, t in meta_draft(reference).state_dict().items() if n not in FROZEN}
+    built = stored_tensors({name: shape for name, (shape, _) in draft_tensor_shapes(reference).items()})
     wrong = sorted(set(built) ^ set(state)) + [
-        f"{n} {list(state[n].shape)} != {list(t.shape)}" for n, t in built.items() if n in state and t.shape != state[n].shape]
+        f"{n} {list(state[n].shape)} != {shape}" for n, shape in built.items() if n in state and list(state[n].shape) != shape]
     if wrong:
         raise StageError(f"{step_dir} does not fit the `draft:` config ({len(wrong)} problems, first: {wrong[0]}): "
                          "export with the config it was trained under")
@@ -133,10 +136,45 @@ def parameter_count(state: dict[str, torch.Tensor]) -> int:
 
 
 # --------------------------------------------------------------------------------------------- outputs
+def run_spec(config: RunConfig, fmt: str) -> Spec:
+    """The spec the run config implies for one export format."""
+    reference = run_reference_config(config)
+    return Spec(export_config(config, reference, fmt), implied_tensors(reference, fmt))
+
+
+def speculators_config(reference: dict, verifier: str, verifier_architectures: list[str], k: int) -> dict:
+    """The speculators 0.9 config (`vllm serve <dir>` reads verifier and proposal from it) for the same draft."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    model = meta_draft(reference)
+    model.config.speculators_config = SpeculatorsConfig(
+        algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=k)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=verifier, architectures=verifier_architectures),
+    )
+    config = model.config.to_dict()
+    layer = config["transformer_layer_config"]
+    layer.update(bos_token_id=reference["bos_token_id"], eos_token_id=reference["eos_token_id"])
+    layer.pop("transformers_version", None)
+    for noise in ("_name_or_path", "transformers_version", "id2label", "label2id"):
+        config.pop(noise, None)
+    config["torch_dtype"] = "bfloat16"
+    return config
+
+
+def meta_draft(config_json: dict):
+    """The training draft for a config.json, built on the meta device: shapes without memory or weights."""
+    draft, aux, vocab = draft_fields(config_json)
+    with torch.device("meta"):
+        return build_draft(draft, aux, vocab, attention="sdpa")
+
+
 def export_config(config: RunConfig, reference: dict, fmt: str) -> dict:
     if fmt == "reference":
         return reference
-    return speculators_config(reference, verifier_path(config), verifier_architectures(config),
+    return speculators_config(reference, serving_path(config.target), architectures(config.target),
                               config.export.num_speculative_tokens)
 
 
@@ -150,18 +188,6 @@ def write_export(stage: Stage, fmt: str, state: dict, config_json: dict, card: d
         (tmp / SPEC_FILE).write_text(json.dumps(read_spec(tmp).to_json(), indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(fmt, config_json, card, stage.path(fmt)))
     return stage.path(fmt)
-
-
-def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None = None) -> str:
-    """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
-    measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
-    export_dir = Path(export_dir).resolve()
-    speculative = speculative_config(export_dir, k or config.export.num_speculative_tokens)
-    settings, environment = engine_settings(config.target, Path(verifier_path(config)), speculative_config=speculative)
-    if fmt == "speculators":  # the folder names its verifier and holds its speculative config
-        del settings["speculative_config"]
-        settings["model"] = str(export_dir)
-    return server_command(settings, environment)
 
 
 def model_card_facts(config: RunConfig, step_dir: Path, metrics: dict | None, facts: dict) -> dict:

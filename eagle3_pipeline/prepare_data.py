@@ -15,9 +15,7 @@ chat template and writes to `<run_dir>/01_data/`:
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import DataConfig, RunConfig
@@ -28,10 +26,11 @@ from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
 from eagle3_pipeline.data.stats import generation_stats, loss_kinds_summary, split_stats, token_frequencies
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path, text_config
 
 
 def run(config: RunConfig, force: bool = False) -> None:
+    """Stage 01: read the sources, let the target write its turns, tokenize with its template, write 01_data."""
     stage = Stage(config, "01_data", force=force)
     if stage.is_complete():
         return
@@ -62,25 +61,32 @@ def run(config: RunConfig, force: bool = False) -> None:
     if not eval_rows:
         print("warning: the eval split is empty (set data.eval_sources or data.eval_fraction): 06 has no prompts")
 
-    with stage.timed("write"):
-        _save_split(stage, "train", train_rows)
-        _save_split(stage, "eval", eval_rows)
-        _save_token_freq(stage, train_rows, _vocab_size(model_dir))
-        stats = {
-            "train": split_stats(train_rows, data.max_seq_len),
-            "eval": split_stats(eval_rows, data.max_seq_len),
-            "skipped": skips.as_dict(),
-            "generation": generation_stats(conversations),
-        }
-        write_json_atomic(stage.path("stats.json"), stats)
+    stats = {
+        "train": split_stats(train_rows, data.max_seq_len),
+        "eval": split_stats(eval_rows, data.max_seq_len),
+        "skipped": skips.as_dict(),
+        "generation": generation_stats(conversations),
+    }
     print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
           f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "
           f"skipped {sum(skips.counts.values())}")
     print(f"01_data: train loss tokens by kind: {loss_kinds_summary(stats['train'])}")
+    write_prepared(stage, train_rows, eval_rows, text_config(model_dir)["vocab_size"], stats)
+
+
+def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], vocab_size: int,
+                   stats: dict[str, Any]) -> None:
+    """01's files from its tokenized rows (`samples.to_row`'s form), then its manifest: the one writer of a
+    finished 01_data (the tests' fabricated ones come through here too)."""
+    with stage.timed("write"):
+        _save_split(stage, "train", train_rows)
+        _save_split(stage, "eval", eval_rows)
+        _save_token_freq(stage, train_rows, vocab_size)
+        write_json_atomic(stage.path("stats.json"), stats)
     stage.finish(counts={
         "train_samples": len(train_rows), "eval_samples": len(eval_rows),
         "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],
-        "skipped": sum(skips.counts.values()),
+        "skipped": sum(reason["count"] for reason in stats["skipped"].values()),
     })
 
 
@@ -120,9 +126,3 @@ def _save_token_freq(stage: Stage, rows: list[dict[str, Any]], vocab_size: int) 
         raise StageError(f"the tokenizer produced token id {len(counts) - 1}, beyond the target's vocab ({vocab_size})")
     with stage.atomic("token_freq.safetensors") as tmp:
         save_file({"counts": counts}, str(tmp))
-
-
-def _vocab_size(model_dir: Path) -> int:
-    """The target's vocab size (Kimi keeps it in text_config)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("vocab_size") or config["text_config"]["vocab_size"]

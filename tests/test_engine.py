@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import shlex
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -71,3 +73,25 @@ def test_cpu_engine_settings_carry_the_kv_cache_reserved_cores_and_mla_switch(mo
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
     settings, environment = engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)
     assert "kv_cache_memory_bytes" not in settings and environment == {}
+
+
+def test_an_engines_environment_is_set_while_it_starts_and_restored_after(monkeypatch, tmp_path):
+    """VLLM_MLA_DISABLE for 06's engine with the draft must not reach its engine without speculation."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 16}}))
+    target = TargetConfig(path=str(tmp_path), engine={"cpu_reserved_cores": 0})
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the caller's own value comes back
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    seen = []
+
+    class FakeLLM:  # records the environment the engine's processes would inherit
+        def __init__(self, **settings):
+            seen.append({name: os.environ.get(name) for name in ("VLLM_MLA_DISABLE", "VLLM_CPU_NUM_OF_RESERVED_CPU")})
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    engine.start_engine(target, tmp_path, speculative_config=EAGLE3)
+    assert os.environ.get("VLLM_MLA_DISABLE") is None and os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    engine.start_engine(target, tmp_path)
+    assert seen == [{"VLLM_MLA_DISABLE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                    {"VLLM_MLA_DISABLE": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}]
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"

@@ -12,9 +12,18 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import export
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.export import meta_draft, run_spec
+from eagle3_pipeline.export_format import (
+    draft_fields,
+    draft_tensor_shapes,
+    dtype_name,
+    export_dtype,
+    read_spec,
+    reference_spec,
+    run_reference_config,
+)
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.stage_io import StageError, read_manifest
-from eagle3_pipeline.validate.spec import draft_fields, read_spec, run_spec
 from tests.conftest import CONFIGS, run_python
 from tests.validate.runs import trained_tiny_run
 
@@ -40,6 +49,18 @@ def test_norm_knobs_reach_the_export_config_and_tensors():
     assert draft.norm_before_fc and draft.norm_output
     plain = run_spec(load_config(CONFIGS / "tiny_kimi.yaml"), "reference")  # the reference layout leaves them out
     assert not {"norm_before_fc", "norm_output"} & plain.config.keys() and "input_norm.weight" not in plain.tensors
+
+
+@pytest.mark.parametrize("name, knobs", [
+    ("kimi_k25", []), ("demo", []), ("tiny_kimi", ["draft.norm_before_fc=true", "draft.norm_output=true"]),
+])
+def test_the_tensors_a_config_implies_are_the_ones_training_builds(name, knobs):
+    """06 computes the shapes from config.json alone; they must be what speculators' draft class builds."""
+    config = load_config(CONFIGS / f"{name}.yaml", knobs)
+    reference = run_reference_config(config)
+    built = {n: (list(t.shape), dtype_name(export_dtype(t))) for n, t in meta_draft(reference).state_dict().items()}
+    assert draft_tensor_shapes(reference) == built
+    assert run_spec(config, "reference") == reference_spec(config)  # what 05 records is what 06 computes
 
 
 def test_spec_only_kimi_equals_the_reference_except_the_listed_fields(tmp_path):

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from eagle3_pipeline import prepare_data
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path
 from tests.conftest import CONFIGS, ROOT, run_python
 
 CONVERSATIONS = [

@@ -16,10 +16,10 @@ import torch
 
 from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, stream_identity
+from eagle3_pipeline.pack_plan import PackStream
+from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
 from eagle3_pipeline.stream import CONSUMER, PackItem, Producer, decode_item, encode_item, open_transport
 from eagle3_pipeline.train import loop
-from eagle3_pipeline.train.data import PackStream
 from tests.mooncake_master import mooncake_settings
 from tests.train.fabricate import (
     TINY,
@@ -29,7 +29,7 @@ from tests.train.fabricate import (
     tiny_target,
     tiny_run_config,
     write_data_stage,
-    write_shard_folder,
+    write_states_stage,
     write_vocab_stage,
 )
 
@@ -147,10 +147,7 @@ def streamed_tiny_run(tmp_path: Path, name: str, through: list[str] = (), **trai
     write_data_stage(config, train_samples, eval_samples, TINY["vocab"])
     all_states = random_states(train_samples + eval_samples, len(TINY["aux_layer_ids"]), TINY["hidden"], seed=3)
     write_vocab_stage(config)
-    stage = Stage(config, "02_hidden_states")
-    stage.begin()
-    write_shard_folder(stage.dir, all_states[len(train_samples):], TINY["aux_layer_ids"])
-    stage.open_stream({"pack_plan": {"packed_length": config.train.packed_length, "seed": config.train.seed}})
+    write_states_stage(config, all_states, TINY["aux_layer_ids"])  # stream mode: eval shards, stream opened
 
     rows = np.asarray([len(s["input_ids"]) - 1 for s in train_samples])
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
@@ -159,7 +156,8 @@ def streamed_tiny_run(tmp_path: Path, name: str, through: list[str] = (), **trai
         epoch, _ = packs.locate(position)
         return encode_item(PackItem(position, epoch, [all_states[i] for i in packs.pack(position)]), "bfloat16")
 
-    return config, item, packs, open_transport(config, stream_identity(stage.dir), 1 << 20, lend_bytes=64 << 20)
+    return config, item, packs, open_transport(config, stream_identity(config.run_dir / "02_hidden_states"), 1 << 20,
+                                                  lend_bytes=64 << 20)
 
 
 def train_records(run_dir: Path, split: str = "train") -> dict[int, dict]:

@@ -17,8 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eagle3_pipeline.config import TargetConfig
-from eagle3_pipeline.stage_io import StageError, atomic_path
+from eagle3_pipeline.stage_io import atomic_path
 
 # name -> (module with `build(out_dir)`, builder version: bump it when the build's output changes)
 BUILDERS = {
@@ -44,12 +43,3 @@ def ensure_stand_in(name: str) -> Path:
         importlib.import_module(module_name).build(tmp)
     return folder
 
-
-def target_path(target: TargetConfig) -> Path:
-    """The target's local Hugging Face folder, building the stand-in when the config names one."""
-    if target.stand_in is not None:
-        return ensure_stand_in(target.stand_in)
-    path = Path(target.path)
-    if not (path / "config.json").is_file():
-        raise StageError(f"target.path {path}: not a Hugging Face model folder (no config.json)")
-    return path

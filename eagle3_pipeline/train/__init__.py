@@ -1,10 +1,10 @@
 """Stage 04: train the EAGLE-3 draft on the target's captured hidden states with training-time test (TTT).
 
     loop         the stage, top to bottom: setup, the training loop, evaluation, the manifest
-    draft_model  the draft (speculators' Eagle3DraftModel + our TTT forward and loss), reference tensor names
+    draft_model  the draft (speculators' Eagle3DraftModel + our TTT forward and loss)
     attention    the TTT attention masks: document-aware causal, plus each row's own entry per extra step
     verifier     the target's embed_tokens, final norm and lm_head, read by name from its checkpoint
-    data         samples shifted by one token and packed into rows; the resumable stream of packs
+    data         samples shifted by one token and packed into rows, per rank (the pack plan: pack_plan.py)
     step         one optimizer step, the optimizer and the schedule (shared with bench/train_throughput.py)
     checkpoint   atomic checkpoints: model, optimizer, scheduler, RNG, data position
     metrics      loss/accuracy per TTT step: metrics.jsonl, TensorBoard, curves.png

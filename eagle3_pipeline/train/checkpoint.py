@@ -1,7 +1,7 @@
 """Checkpoints: `04_train/checkpoints/step_N/`, complete or absent.
 
     model.safetensors    the draft's trained tensors and d2t/t2d under speculators' names
-                         (`draft_model.reference_state_dict` maps them to the reference export's names)
+                         (`export_format.export_state_dict` maps them to the reference export's names)
     optimizer.pt         AdamW state, full (gathered under FSDP) and keyed by parameter name
     scheduler.pt         the learning-rate schedule
     rng-rank<R>.pt       each rank's Python, NumPy and torch RNG states
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from eagle3_pipeline.export_format import stored_tensors
 from eagle3_pipeline.stage_io import STARTED, Stage, StageError, config_values, fingerprint, write_json_atomic
-from eagle3_pipeline.train.draft_model import FROZEN
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -63,7 +63,7 @@ def save_checkpoint(checkpoints: Path, step: int, model, optimizer, scheduler, a
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     torch.save(_rng_state(), partial / f"rng-rank{accelerator.process_index}.pt")
     if accelerator.is_main_process:
-        kept = {name: t.contiguous() for name, t in model_state.items() if name not in FROZEN}
+        kept = {name: t.contiguous() for name, t in stored_tensors(model_state).items()}
         save_file(kept, str(partial / "model.safetensors"))
         torch.save(optimizer_state, partial / "optimizer.pt")
         torch.save(scheduler.state_dict(), partial / "scheduler.pt")

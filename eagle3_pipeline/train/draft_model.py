@@ -39,8 +39,6 @@ whose earlier tokens were accepted: the only ones whose later steps matter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -51,7 +49,6 @@ from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.loss import chunked_head_kl
 from eagle3_pipeline.train.verifier import VerifierWeights
 
-FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 STATS = ("kl_sum", "correct", "count")  # rows of the per-step statistics forward returns
 
 
@@ -224,23 +221,3 @@ def load_frozen_and_vocab(model: Eagle3DraftModel, verifier: VerifierWeights, d2
     model.verifier_norm.variance_epsilon = verifier.norm_eps  # the target's eps, not the draft's
     model.lm_head.weight.requires_grad_(True)
 
-
-def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint stores: everything but the frozen verifier tensors (reloaded from the target)."""
-    return {name: t for name, t in model.state_dict().items() if name not in FROZEN}
-
-
-def reference_state_dict(draft_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> the reference export's (eagle3_pipeline/reference/aq_medai_kimi_k25_eagle3.json).
-
-        layers.0.<rest>                               -> midlayer.<rest>
-        fc.weight, norm.weight, lm_head.weight, d2t, t2d -> unchanged
-        embed_tokens, verifier_norm, verifier_lm_head -> dropped (vLLM shares the target's embedding)
-    """
-    if any(name.startswith("layers.1.") for name in draft_state):
-        raise ValueError("the reference format holds one decoder layer; this draft has more")
-    return {
-        name.replace("layers.0.", "midlayer.", 1): tensor
-        for name, tensor in draft_state.items()
-        if name not in FROZEN
-    }

@@ -25,13 +25,14 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.hidden_states_store import bytes_per_token, open_reader
+from eagle3_pipeline.pack_plan import PackStream, plan_packs
 from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
                                     shares_folder)
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
-from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, StreamedRows, plan_packs, rank_share
+from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
 from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.metrics import MetricsLog, summarize
@@ -41,6 +42,8 @@ from eagle3_pipeline.vocab import load_draft_vocab
 
 
 def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_step: int | None = None) -> None:
+    """Stage 04: train the draft on 02's states (`resume`: from the last checkpoint; `stop_at_step`: checkpoint
+    and stop there, unfinished)."""
     train = config.train
     accelerator = make_accelerator(train)
     stage = Stage(config, "04_train", force=force)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.target import text_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,7 +49,7 @@ def load_verifier_weights(target_dir: Path, prefix: str) -> VerifierWeights:
     tied = LM_HEAD not in tensors
     return VerifierWeights(
         embed_tokens=tensors[EMBED], norm=tensors[NORM], lm_head=tensors[EMBED if tied else LM_HEAD],
-        norm_eps=_text_config(target_dir)["rms_norm_eps"], tied=tied,
+        norm_eps=text_config(target_dir)["rms_norm_eps"], tied=tied,
     )
 
 
@@ -60,8 +61,3 @@ def _tensor_files(target_dir: Path) -> dict[str, str]:
         with safe_open(str(target_dir / SINGLE_FILE), "pt") as f:
             return dict.fromkeys(f.keys(), SINGLE_FILE)
     raise StageError(f"{target_dir}: neither {INDEX} nor {SINGLE_FILE}; the target must be a safetensors checkpoint")
-
-
-def _text_config(target_dir: Path) -> dict:
-    config = json.loads((target_dir / "config.json").read_text())
-    return config.get("text_config", config)  # multimodal targets (Kimi-K2.5) nest the text model's config

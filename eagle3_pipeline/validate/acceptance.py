@@ -19,6 +19,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
+from eagle3_pipeline.export_format import speculative_config
 from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -48,10 +49,6 @@ class EngineRun:
     @property
     def generated_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.outputs)
-
-
-def speculative_config(export_dir: Path, k: int) -> dict:
-    return {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
 
 
 def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_dir: Path | None, k: int) -> EngineRun:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.validate.spec import Spec, implied_tensors, read_spec, read_tensor
+from eagle3_pipeline.export_format import Spec, implied_tensors, read_spec, read_tensor, spec_format
 
 BREAKING, OPTIONAL, COSMETIC = "breaking", "optional", "cosmetic"
 EMBED = "embed_tokens.weight"
@@ -53,10 +53,6 @@ def ordered(differences: list[Difference]) -> list[Difference]:
     """Breaking first, then optional, then cosmetic; by place within each kind."""
     rank = {BREAKING: 0, OPTIONAL: 1, COSMETIC: 2}
     return sorted(differences, key=lambda d: (rank[d.kind], d.where))
-
-
-def spec_format(config_json: dict) -> str:
-    return "speculators" if "speculators_config" in config_json else "reference"
 
 
 def compare_specs(actual: Spec, expected: Spec, serving_len: int) -> list[Difference]:

@@ -17,16 +17,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.export import serving_command
+from eagle3_pipeline.engine import serving_command
+from eagle3_pipeline.export_format import Spec, read_spec, reference_spec, spec_format
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
-from eagle3_pipeline.stand_ins import target_path
+from eagle3_pipeline.target import target_path
 from eagle3_pipeline.validate.acceptance import EngineRun, serve
-from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, spec_format, static_differences
+from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
-from eagle3_pipeline.validate.spec import read_spec, run_spec
+
+# What serving an Eagle-3 draft on the target relies on (each reports "not needed" where vLLM needs no help)
+REQUIRED_PATCHES = ("vllm-eagle3-deepseek-kimi", "vllm-eagle3-target-check")
 
 
 def run(config: RunConfig, force: bool = False) -> None:
+    """Stage 06: the static check of every exported format, then vLLM's acceptance on 01's eval prompts."""
     stage = Stage(config, "06_validate", force=force)
     if stage.is_complete():
         return
@@ -37,7 +41,7 @@ def run(config: RunConfig, force: bool = False) -> None:
 
     # 1. Static: a breaking difference fails here, before minutes of engine start-up.
     with stage.timed("static"):
-        static = {fmt: static_differences(export_dir / fmt, run_spec(config, fmt), serving_len)
+        static = {fmt: static_differences(export_dir / fmt, expected_spec(config, fmt, exported), serving_len)
                   for fmt in exported["formats"]}
     problems = [f"{fmt} {d.where}: {d.message}" for fmt, ds in static.items() for d in ds if d.kind == BREAKING]
     for fmt, differences in static.items():
@@ -67,13 +71,28 @@ def check(config: RunConfig, path: Path | None, reference: Path | None) -> None:
     """Static comparison only: `path` (default: the run's first export) against `reference` or the config's spec."""
     path = path or Path(config.run_dir) / "05_export" / config.export.formats[0]
     actual = read_spec(path)
-    expected = read_spec(reference) if reference else run_spec(config, spec_format(actual.config))
+    if reference:
+        expected = read_spec(reference)
+    else:
+        expected = expected_spec(config, spec_format(actual.config), read_manifest(Path(config.run_dir) / "05_export"))
     differences = static_differences(path, expected, config.target.engine.max_model_len)
     against = reference or f"the spec of {config.run_dir}'s config"
     print(f"{path} against {against}: {len(differences)} differences\n{difference_table(differences)}")
     breaking = [d for d in ordered(differences) if d.kind == BREAKING]
     if breaking:
         raise StageError(f"{len(breaking)} breaking differences, first: {breaking[0].where}: {breaking[0].message}")
+
+
+def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
+    """The spec an export folder must meet: the reference format's from the config; the speculators format's as
+    05 recorded it (speculators' own serialisation, which this stage's environment cannot build)."""
+    if fmt == "reference":
+        return reference_spec(config)
+    recorded = ((exported or {}).get("specs") or {}).get(fmt)
+    if recorded is None:
+        raise StageError(f"{config.run_dir}/05_export/manifest.json records no {fmt} spec: rerun 05_export.py "
+                         "(--force), or compare against a spec with --reference")
+    return Spec(recorded["config"], recorded["tensors"])
 
 
 def eval_prompts(config: RunConfig) -> list[list[int]]:
@@ -92,6 +111,12 @@ def eval_prompts(config: RunConfig) -> list[list[int]]:
 
 def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[list[int]]):
     """One engine per k with the draft, then one without speculation: (runs, plain or None)."""
+    from patches import PatchError, require_applied
+
+    try:
+        require_applied(*REQUIRED_PATCHES)
+    except PatchError as err:
+        raise StageError(str(err)) from None
     model_dir = target_path(config.target)
     print(f"06_validate: {len(prompts)} eval prompts, up to {config.validate_.max_tokens} tokens, "
           f"k = {config.validate_.num_speculative_tokens}, draft {served}")

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
+from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.engine import start_engine
 from tests.patches.vllm_source import Source, unpacked_vllm
 
 # Released vLLMs whose source the anchors are checked in (the patches' `versions`): 0.16.0 by default.
@@ -29,11 +30,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @contextlib.contextmanager
 def running_llm(model_dir, **settings):
     """A small vLLM engine in this process, shut down on exit (one per test module: starts take ~30-60 s)."""
-    from vllm import LLM
-
-    # An explicit KV cache size also skips the CPU backend's check that most of the machine's memory is
-    # free, which fails on a shared machine.
-    llm = LLM(model=str(model_dir), seed=0, max_num_seqs=4, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, **settings)
+    llm = start_engine(TargetConfig(path=str(model_dir)), model_dir, max_num_seqs=4, **settings)
     try:
         yield llm
     finally:

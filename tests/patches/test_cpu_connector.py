@@ -21,18 +21,17 @@ BF16_TOLERANCE = 0.03  # transformers' own bf16 run is 0.2-1.8% off its fp32 one
 
 @pytest.fixture(scope="module")
 def written(smollm2_dir, tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("the connector fix is for vLLM's CPU backend")
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
     from vllm.inputs import TokensPrompt
 
     from patches import require_applied
-    from patches.vllm_cpu_hidden_states_connector import NAME, hidden_states_connector
+    from patches.vllm_cpu_hidden_states_connector import NAME, UPSTREAM_NAME, hidden_states_connector
 
     require_applied("vllm-cpu-hidden-states-connector")
-    assert hidden_states_connector() == NAME
+    # the fix is for vLLM's CPU backend; on a GPU vLLM's own connector writes the same states
+    assert hidden_states_connector() == (UPSTREAM_NAME if torch.cuda.is_available() else NAME)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tokenizer("The capital of France is Paris. " * 6).input_ids, tokenizer("Hello, how are you?").input_ids]
     with running_llm(

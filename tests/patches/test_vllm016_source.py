@@ -1,11 +1,13 @@
 """What the vLLM 0.16 patches and the capture worker rely on, checked in vLLM 0.16.0's real vllm_source.
 
-vLLM 0.16 cannot run on this machine, so its wheel is downloaded (cached) and read as syntax trees:
+vLLM 0.16 cannot run on this machine, so its wheel (fetched by `make setup`, pinned by sha256 in
+requirements-vllm-source.txt) is read as syntax trees:
 every class, method, signature and call the patches assume is an "anchor" below. A renamed method in a
 copy of that source must make its anchors fail (`test_a_broken_anchor_is_caught`). Where the installed
 vLLM can run the same code, other tests run it for real (test_capture_worker.py, test_cpu_connector.py).
 
-    EAGLE3_VLLM_SOURCE_VERSIONS=0.16.0,0.17.0 python -m pytest tests/patches/test_vllm016_vllm_source.py
+    # other releases too, once requirements-vllm-source.txt pins them and `make setup` fetched them:
+    EAGLE3_VLLM_SOURCE_VERSIONS=0.16.0,0.17.0 python -m pytest tests/patches/test_vllm016_source.py
 """
 
 from __future__ import annotations

@@ -1,39 +1,53 @@
 """A released vLLM's Python source, read as syntax trees: nothing of it is imported or run.
 
-The wheel comes from the package registry once (`pip download --no-deps`) and is cached with its
-unpacked Python files under `$EAGLE3_CACHE_DIR/wheels/` (default `~/.cache/eagle3_pipeline/wheels/`).
+`make setup` downloads the wheel, pinned by sha256 in requirements-vllm-source.txt, into
+`$EAGLE3_CACHE_DIR/wheels/` (default `~/.cache/eagle3_pipeline/wheels/`); the tests check its digest, unpack
+its Python files beside it once, and fail (never skip) when it is missing: the run downloads nothing.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from eagle3_pipeline.stage_io import file_sha256
 from eagle3_pipeline.stand_ins import cache_dir
+from tests.conftest import ROOT
+
+PINS = ROOT / "requirements-vllm-source.txt"
+
+
+def pinned_digests(version: str) -> set[str]:
+    """The sha256 digests requirements-vllm-source.txt pins for vllm==`version` (none when unpinned)."""
+    text = PINS.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if line.split("#")[0].split() and line.split()[0] == f"vllm=={version}":
+            return set(re.findall(r"--hash=sha256:([0-9a-f]{64})", line))
+    return set()
 
 
 def unpacked_vllm(version: str) -> Path:
-    """The folder holding `vllm/**.py` of vLLM `version`; skips the test when the wheel cannot be had."""
+    """The folder holding `vllm/**.py` of vLLM `version`, from its pinned wheel in the cache."""
     wheels = cache_dir() / "wheels"
-    folder = wheels / f"vllm-{version}-py"
-    if (folder / "vllm" / "__init__.py").is_file():
-        return folder
+    digests = pinned_digests(version)
+    if not digests:
+        pytest.fail(f"vllm=={version} has no sha256 pin in {PINS.name}: add it, then run `make setup`", pytrace=False)
     wheel = next(wheels.glob(f"vllm-{version}-*.whl"), None)
     if wheel is None:
-        wheels.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   f"vllm=={version}", "-d", str(wheels)]
-        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=1800)
-        wheel = next(wheels.glob(f"vllm-{version}-*.whl"), None)
-        if done.returncode != 0 or wheel is None:
-            pytest.skip(f"cannot download vllm=={version} from the registry: {done.stderr.strip()[-300:]}")
+        pytest.fail(f"the vllm=={version} wheel is not in {wheels}: run `make setup` (it downloads the wheel "
+                    f"pinned in {PINS.name})", pytrace=False)
+    if file_sha256(wheel) not in digests:
+        pytest.fail(f"{wheel}: sha256 {file_sha256(wheel)} is none of the pins in {PINS.name}: delete it and run "
+                    "`make setup`", pytrace=False)
+    folder = wheels / f"{wheel.stem}-py"
+    if (folder / "vllm" / "__init__.py").is_file():
+        return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     with zipfile.ZipFile(wheel) as archive:

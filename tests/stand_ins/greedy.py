@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
+from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.engine import start_engine
 from tests.conftest import run_python
 
 
@@ -59,16 +60,11 @@ def assert_same_greedy_tokens(model, tokenizer, chats, served: dict, max_tokens:
 
 
 def _generate(model_dir: str, request_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     request = json.loads(Path(request_path).read_text())
-    llm = LLM(
-        model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-        # An explicit KV cache size skips the CPU backend's start-up check that 92% of the NUMA node's
-        # memory is free, which fails on a machine shared with other processes.
-        kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
-        **request["engine"],
-    )
+    llm = start_engine(TargetConfig(path=model_dir), Path(model_dir), dtype="float32", enforce_eager=True,
+                       max_model_len=512, **request["engine"])
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     results = []
     for messages, kwargs in request["chats"]:

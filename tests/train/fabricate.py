@@ -1,7 +1,8 @@
 """Fabricated inputs for stages 03 and 04: a tiny target checkpoint, finished 01_data and 02_hidden_states.
 
-Each fabricated stage is finished through the real stage contract (Stage.begin / finish), so 03 and 04 see
-inputs exactly as if 01 and 02 had produced them under the same config.
+Each fabricated stage is written by the real stage's own writers (prepare_data.write_prepared; capture's shard,
+index, manifest and stream writers), so 03 and 04 see inputs exactly as if 01 and 02 had produced them under
+the same config; only the samples and states are made up.
 """
 
 from __future__ import annotations
@@ -9,18 +10,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import datasets
 import numpy as np
 import torch
 import yaml
 from safetensors.torch import save_file
 
+from eagle3_pipeline import capture
 from eagle3_pipeline.config import RunConfig, parse_config
+from eagle3_pipeline.data.stats import generation_stats, split_stats
 from eagle3_pipeline.hidden_states_store import SampleStates, write_index, write_shard
+from eagle3_pipeline.prepare_data import write_prepared
 from eagle3_pipeline.stage_io import Stage
+from eagle3_pipeline.target import target_path, text_config
 from tests.conftest import CONFIGS
 
 TINY = {"hidden": 64, "vocab": 512, "aux_layer_ids": [1, 2, 3]}
+TINY_LAYERS = 4  # what the tiny target's config.json declares (it holds no layer weights)
 
 
 def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["vocab"], prefix: str = "",
@@ -36,7 +41,7 @@ def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["v
         tensors[f"{prefix}lm_head.weight"] = (0.1 * torch.randn(vocab, hidden, generator=gen)).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "llama", "hidden_size": hidden, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": tied}
+              "num_hidden_layers": TINY_LAYERS, "tie_word_embeddings": tied}
     (folder / "config.json").write_text(json.dumps(config))
     if shards == 1:
         save_file(tensors, str(folder / "model.safetensors"))
@@ -83,40 +88,52 @@ def random_samples(count: int, vocab: int, seed: int, prefix: str) -> list[dict]
 
 
 def write_data_stage(config: RunConfig, train: list[dict], eval_: list[dict], vocab: int) -> None:
-    """01_data as stage 01 writes it: train/ and eval/ datasets (eval rows carry `prompt_ids`, the tokens
-    before the first loss token, as 06 reads them) and the loss-masked token counts of train."""
+    """A finished 01_data from samples ({"id", "input_ids", "loss_mask"}), written by stage 01's writer; eval rows
+    carry `prompt_ids`, the tokens before the first loss token, as 06 reads them."""
     stage = Stage(config, "01_data")
     stage.begin()
-    for name, samples in (("train", train), ("eval", eval_)):
-        columns = {key: [s[key] for s in samples] for key in ("id", "input_ids", "loss_mask")}
-        columns["source"] = ["fabricated"] * len(samples)
-        columns["seq_len"] = [len(s["input_ids"]) for s in samples]
-        if name == "eval":
-            columns["prompt_ids"] = [s["input_ids"][: s["loss_mask"].index(1)] for s in samples]
-        datasets.Dataset.from_dict(columns).save_to_disk(str(stage.path(name)))
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for s in train:
-        ids = torch.tensor(s["input_ids"])[torch.tensor(s["loss_mask"], dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=vocab)
-    save_file({"counts": counts}, str(stage.path("token_freq.safetensors")))
-    stage.finish(counts={"train": len(train), "eval": len(eval_)})
+    rows = {split: [row(s, with_prompt=split == "eval") for s in samples] for split, samples in
+            (("train", train), ("eval", eval_))}
+    stats = {"skipped": {}, "generation": generation_stats([]),
+             **{split: split_stats(split_rows, config.data.max_seq_len) for split, split_rows in rows.items()}}
+    write_prepared(stage, rows["train"], rows["eval"], vocab, stats)
+
+
+def row(sample: dict, with_prompt: bool) -> dict:
+    """A fabricated sample as stage 01's tokenizer gives a row (`data.samples.to_row`)."""
+    ids = np.asarray(sample["input_ids"], dtype=np.int32)
+    made = {"id": sample["id"], "source": "fabricated", "input_ids": ids,
+            "loss_mask": np.asarray(sample["loss_mask"], dtype=np.int8), "seq_len": len(ids), "truncated": False}
+    if with_prompt:
+        made["prompt_ids"] = ids[: sample["loss_mask"].index(1)]
+    return made
 
 
 def write_states_stage(config: RunConfig, states: list[SampleStates], aux_layer_ids: list[int]) -> None:
-    """02_hidden_states: shards of 16 samples and the index."""
+    """02_hidden_states from given states of 01's samples, written by stage 02's writers: offline, every sample
+    in shards, the index and the manifest; in stream mode, the eval split in shards and the stream opened."""
     stage = Stage(config, "02_hidden_states")
     stage.begin()
-    write_shard_folder(stage.dir, states, aux_layer_ids)
-    stage.finish(counts={"samples": len(states)})
+    by_id = {s.sample_id: s for s in states}
+    streaming = config.capture.mode == "stream"
+    samples = [s for s in capture.load_samples(stage.input_dir("01_data")) if not streaming or s.split == "eval"]
+    plans = capture.plan_shards(samples, config.capture.samples_per_shard)
+    for plan in plans:
+        capture.write_shard_files(stage, plan, [by_id[s.sample_id] for s in plan.samples], config.capture.dtype)
+    num_layers = text_config(target_path(config.target))["num_hidden_layers"]
+    layout = capture.states_layout(aux_layer_ids, num_layers, states[0].aux.shape[2], config.capture.dtype)
+    capture.write_index(stage, plans, layout)
+    if streaming:
+        capture.open_stream(stage, layout)
+    else:
+        stage.finish(counts=capture.shard_counts(stage, plans), extra=capture.layout_record(layout))
 
 
-def write_shard_folder(folder: Path, states: list[SampleStates], aux_layer_ids: list[int] | None = None) -> Path:
-    entries = {}
-    for start in range(0, len(states), 16):
-        entries |= write_shard(folder / f"shard-{start // 16:05d}.safetensors", states[start:start + 16], "bfloat16")
+def write_shard_folder(folder: Path, states: list[SampleStates]) -> Path:
+    """A folder of 02's shards and index alone (no stage), for readers' tests; all aux columns, final id 1 more."""
     num_aux, hidden = states[0].aux.shape[1:]
-    write_index(folder, entries, {"aux_layer_ids": aux_layer_ids or list(range(num_aux)), "convention": "vllm",
-                                  "hidden_size": hidden, "dtype": "bfloat16"})
+    entries = write_shard(folder / "shard_00000.safetensors", states, "bfloat16")
+    write_index(folder, entries, capture.states_layout(list(range(num_aux)), num_aux, hidden, "bfloat16"))
     return folder
 
 

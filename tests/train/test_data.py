@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.train.data import PackedRows, PackStream, RankPacks, plan_packs, rank_share
+from eagle3_pipeline.pack_plan import PackStream, plan_packs
+from eagle3_pipeline.train.data import PackedRows, RankPacks, rank_share
 
 
 def test_packs_hold_every_sample_once_within_capacity():

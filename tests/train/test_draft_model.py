@@ -12,7 +12,8 @@ from torch.nn.attention.flex_attention import create_mask
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.train.attention import ttt_masks
-from eagle3_pipeline.train.draft_model import build_draft, load_frozen_and_vocab, reference_state_dict
+from eagle3_pipeline.export_format import export_state_dict
+from eagle3_pipeline.train.draft_model import build_draft, load_frozen_and_vocab
 from eagle3_pipeline.train.verifier import VerifierWeights
 from tests.conftest import CONFIGS
 
@@ -23,7 +24,7 @@ def test_kimi_draft_has_exactly_the_reference_tensors():
     draft = load_config(CONFIGS / "kimi_k25.yaml").draft
     with torch.device("meta"):  # shapes only: the real draft is 1.2 B parameters + a 163840 x 7168 embedding
         model = build_draft(draft, [2, 30, 58], 163840, "sdpa")
-    ours = {name: list(t.shape) for name, t in reference_state_dict(model.state_dict()).items()}
+    ours = {name: list(t.shape) for name, t in export_state_dict(model.state_dict(), "reference").items()}
     assert ours == {name: spec["shape"] for name, spec in REFERENCE["tensors"].items()}
     assert ours["midlayer.self_attn.q_proj.weight"] == [64 * 128, 2 * 7168]  # 8192, not 7168
 

@@ -16,10 +16,10 @@ import yaml
 
 from eagle3_pipeline.config import RunConfig, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
-from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, fingerprint
+from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, file_sha256, fingerprint
 from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.train import loop
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, ROOT
 from tests.train.fabricate import tiny_run, write_data_stage, write_states_stage, write_vocab_stage
 
 
@@ -51,17 +51,25 @@ def trained_stand_in_run(config: RunConfig, samples: list[dict], states: list[Sa
     loop.run(config)
 
 
+def source_fingerprint() -> str:
+    """A hash of the Python sources that produce a cached run: the package, the patches and the test helpers."""
+    files = sorted(path for folder in ("eagle3_pipeline", "patches", "tests") for path in (ROOT / folder).rglob("*.py")
+                   if not path.name.startswith("test_"))
+    return fingerprint({str(path.relative_to(ROOT)): file_sha256(path) for path in files})
+
+
 def cached_run(tmp_path: Path, key: str, config_name: str, train: dict, validate: dict,
                build: Callable[[RunConfig], None]) -> tuple[RunConfig, Path]:
     """A run finished up to 04, built once by `build(config)` into the cache, copied under tmp_path.
 
     The copy is a complete run: stage fingerprints cover config sections, never run_dir, and every manifest
-    travels with the folder it describes. The cache folder is keyed on the stages' fingerprints too, so a
-    config that changed (a new field, say) builds afresh. Bump the version inside `key` when `build` changes.
+    travels with the folder it describes. The cache folder is keyed on the stages' fingerprints and on the
+    code that builds the run (`source_fingerprint`), so a changed config or a changed stage, training or
+    fabricating code builds afresh. Bump the version inside `key` when `build` depends on anything else.
     """
     config, _ = stand_in_config(tmp_path / "key", config_name, train, validate)
     built = ("01_data", "02_hidden_states", "03_vocab", "04_train")
-    stages = fingerprint([Stage(config, name).fingerprint for name in built])
+    stages = fingerprint([Stage(config, name).fingerprint for name in built] + [source_fingerprint()])
     cached = cache_dir() / "test_runs" / f"{key}-{stages}"
     if not (cached / "04_train" / MANIFEST).exists():
         with atomic_path(cached) as building:

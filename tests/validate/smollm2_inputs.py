@@ -12,8 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eagle3_pipeline.config import TargetConfig
 from eagle3_pipeline.data.sources import HUMANEVAL_REQUEST
-from eagle3_pipeline.engine import CPU_KV_CACHE_BYTES
+from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.hidden_states_store import SampleStates
 from tests.conftest import run_python
 from tests.train.fabricate import cached_inputs
@@ -47,10 +48,10 @@ def humaneval_chats(count: int) -> list[list[dict]]:
 
 
 def _generate(model_dir: str, count: str, max_tokens: str, out: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0,
-              kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)  # explicit: skips the free-memory check on a shared machine
+    llm = start_engine(TargetConfig(path=model_dir), Path(model_dir), dtype="bfloat16", enforce_eager=True,
+                       max_model_len=1024)
     chats = humaneval_chats(int(count))
     results = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=int(max_tokens)), use_tqdm=False)
     answers = [(list(r.prompt_token_ids), list(r.outputs[0].token_ids)) for r in results]

@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline import export
+from eagle3_pipeline.export_format import read_spec, reference_spec
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.validate import stage
 from eagle3_pipeline.validate.compare import BREAKING, COSMETIC, OPTIONAL, check_vocab_maps, static_differences
-from eagle3_pipeline.validate.spec import read_spec, run_spec
 from eagle3_pipeline.validate.weights_probe import skipped_parameters
 from tests.conftest import run_python
+from tests.no_speculators import REFUSAL, without_speculators
 from tests.validate.runs import trained_tiny_run
 
 
@@ -78,10 +79,23 @@ DEFECTS = {
 
 def test_good_export_passes(good_export):
     config, path, folder = good_export
-    assert static_differences(folder, run_spec(config, "reference"), 2048) == []
+    assert static_differences(folder, reference_spec(config), 2048) == []
     result = run_python("06_validate.py", "--config", str(path), "--check", str(folder))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "0 differences" in result.stdout
+
+
+def test_static_check_of_both_formats_runs_without_speculators(good_export, tmp_path):
+    """06 in vLLM 0.16's environment: the reference spec from the config, the speculators one from 05's manifest."""
+    config, path, folder = good_export
+    environment = without_speculators(tmp_path / "site")
+    blocked = run_python("-c", "import speculators.models.eagle3", env=environment)
+    assert blocked.returncode == 1 and REFUSAL in blocked.stderr
+    assert config.export.formats == ["reference", "speculators"]
+    for fmt in config.export.formats:
+        result = run_python("06_validate.py", "--config", str(path), "--check", str(folder.parent / fmt), env=environment)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert "0 differences" in result.stdout, fmt
 
 
 @pytest.mark.parametrize("defect", DEFECTS)
@@ -116,7 +130,7 @@ def test_cosmetic_and_optional_differences_pass(good_export, tmp_path):
         state.pop("t2d")
 
     folder = planted(good, tmp_path, tensors=change)
-    kinds = {d.where: d.kind for d in static_differences(folder, run_spec(config, "reference"), 2048)}
+    kinds = {d.where: d.kind for d in static_differences(folder, reference_spec(config), 2048)}
     assert kinds["tensor layers.0.mlp.up_proj.weight"] == COSMETIC and kinds["tensor t2d"] == COSMETIC
     assert kinds["tensor embed_tokens.weight"] == OPTIONAL and BREAKING not in kinds.values()
     assert run_python("06_validate.py", "--config", str(path), "--check", str(folder)).returncode == 0

@@ -1,8 +1,8 @@
-"""05 + 06 end to end in vLLM CPU: the demo draft speeds SmolLM2 up, and the serving command 06 prints serves it
-through vLLM's OpenAI-compatible server; the tiny Kimi draft serves on its target.
+"""05 + 06 end to end in vLLM CPU: the demo draft is accepted and keeps SmolLM2's greedy outputs, and the serving
+command 06 prints serves it through vLLM's OpenAI-compatible server (the tiny Kimi's draft is served in
+tests/test_pipeline_tiny_kimi.py, at the end of its 01-06 run).
 
-One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format;
-tiny Kimi with the draft only.
+One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format.
 
     python -m pytest -m vllm tests/validate/test_vllm_validate.py -s     # -s prints the acceptance figures
 """
@@ -25,16 +25,16 @@ import pytest
 
 from eagle3_pipeline.stage_io import read_manifest
 from tests.conftest import run_python
-from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, random_samples, random_states
-from tests.validate.runs import cached_run, stand_in_config, trained_stand_in_run
+from tests.no_speculators import without_speculators
+from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS
+from tests.validate.runs import cached_run, trained_stand_in_run
 from tests.validate.smollm2_inputs import humaneval_chats, self_distilled_humaneval
 
-TINY_KIMI_AUX_LAYER_IDS = [2, 4, 5]  # (2, L//2, L-3) for its 8 layers
-
-
 def export_and_validate(path, run_dir) -> dict:
-    for script in ("05_export.py", "06_validate.py"):
-        result = run_python(script, "--config", str(path), timeout=900)
+    """05 in this environment, then 06 (static check and vLLM) where speculators cannot be imported, as in
+    vLLM 0.16's environment."""
+    for script, environment in (("05_export.py", None), ("06_validate.py", without_speculators(run_dir.parent / "site"))):
+        result = run_python(script, "--config", str(path), timeout=900, env=environment)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((run_dir / "06_validate" / "report.json").read_text())
     run = report["runs"][0]
@@ -71,11 +71,14 @@ def validated_demo(tmp_path_factory):
 
 
 @pytest.mark.vllm
-def test_demo_draft_speeds_up_smollm2(validated_demo):
+def test_demo_draft_is_accepted_and_keeps_smollm2s_greedy_outputs(validated_demo):
+    """What the draft does on this CPU: drafts accepted, greedy outputs unchanged. Not a speed-up: with two
+    cores the run with the draft is slower (the demo measured 0.70x); the speed-up is reported, not asserted."""
     config, report = validated_demo
     assert report["num_speculative_tokens"] == 3 and len(report["acceptance_per_position"]) == 3
     assert report["mean_acceptance_length"] > 1.5
-    assert report["greedy_identical_fraction"] is not None
+    assert report["greedy_identical_fraction"] == 1.0
+    assert report["runs"][0]["speedup"] > 0
     assert (config.run_dir / "06_validate" / "acceptance.png").stat().st_size > 10_000
     assert report["serving_command"] in (config.run_dir / "06_validate" / "report.md").read_text()
 
@@ -171,18 +174,3 @@ def spec_decode_counters(text: str) -> dict[str, float]:
             if sample.name in names:
                 counters[names[sample.name]] += sample.value
     return counters
-
-
-@pytest.mark.vllm
-def test_tiny_kimi_draft_serves_on_the_tiny_kimi_target(tmp_path, tiny_kimi_dir):
-    """Random target, random states: the figures mean nothing; loading and speculation on an MLA target do."""
-    config, path = stand_in_config(
-        tmp_path, "tiny_kimi",
-        train={"max_steps": 2, "warmup_steps": 1, "eval_every": 2, "checkpoint_every": 2, "log_every": 1},
-        validate={"max_prompts": 2, "max_tokens": 12, "compare_without_speculation": False},
-    )
-    samples = random_samples(20, 163584, seed=1, prefix="k")  # ordinary token ids, below Kimi's special ones
-    states = random_states(samples, len(TINY_KIMI_AUX_LAYER_IDS), 256, seed=2)
-    trained_stand_in_run(config, samples, states, eval_count=2, vocab=163840, aux_layer_ids=TINY_KIMI_AUX_LAYER_IDS)
-    report = export_and_validate(path, config.run_dir)
-    assert report["runs"][0]["num_drafts"] > 0 and report["greedy_identical_fraction"] is None

@@ -1,19 +1,25 @@
-"""Specs: what an export's config.json and tensors are, or must be.
+"""The export format: what a draft folder holds, the spec a config implies, and reading a folder's spec.
+
+05 writes draft folders in this format and 06 checks them against it; both import this module, and it imports
+neither of them, nor training code nor speculators (06 runs in vLLM 0.16's environment, which has none).
 
 A spec has the form of eagle3_pipeline/reference/aq_medai_kimi_k25_eagle3.json (the AQ-MedAI reference):
 
     {"config": {...config.json...}, "tensors": {name: {"shape": [...], "dtype": "bfloat16"}}}
 
-- `run_spec(config, fmt)`: the spec a run config implies. The config.json comes from the `draft:` section
-  and a few target facts; the tensor shapes come from building the draft on the meta device (no memory, no
-  weights, no earlier stage), so they are exactly what training builds. This is `05_export.py --spec-only`.
+- `reference_spec(config)`: the reference-format spec a run config implies (`05_export.py --spec-only`). The
+  config.json comes from the `draft:` section and a few target facts; the tensor shapes follow from the
+  config.json (`draft_tensor_shapes`; tests hold them equal to the draft training builds).
 - `implied_tensors(config_json, fmt)`: the tensors a config.json implies (the export's own consistency).
 - `read_spec(path)`: the spec of an export folder (config.json + safetensors headers) or of a spec.json.
+The speculators format's config.json is speculators' own serialisation: 05 builds it and records its spec
+in 05's manifest (`specs`), where 06 reads it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,18 +27,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3_pipeline.capture import default_aux_layer_ids, target_text_config
-from eagle3_pipeline.config import ConfigError, DraftConfig, RunConfig
+from eagle3_pipeline.config import DraftConfig, RunConfig
 from eagle3_pipeline.stage_io import StageError
-from eagle3_pipeline.stand_ins import target_path
-from eagle3_pipeline.train.draft_model import FROZEN, build_draft, reference_state_dict
+from eagle3_pipeline.target import run_aux_layer_ids, target_facts
 
-FORMATS = ("reference", "speculators")
 WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "spec.json"
 EXPORT_DTYPE = torch.bfloat16  # floating tensors; d2t stays int64 and t2d bool
 REFERENCE_ARCHITECTURE = "LlamaForCausalLMEagle3"
-FACT_KEYS = ("vocab_size", "num_hidden_layers", "bos_token_id", "eos_token_id")
+# The verifier's tensors the draft holds frozen during training; no export stores them (vLLM shares the target's).
+FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -47,28 +51,14 @@ class Spec:
         return {"config": self.config, "tensors": self.tensors}
 
 
-# ------------------------------------------------------------------------------------------- target facts
-def target_facts(config: RunConfig) -> dict[str, Any]:
-    """vocab_size, num_hidden_layers, bos/eos ids: from the target's config.json and/or `export.target_facts`."""
-    given = config.export.target_facts
-    folder = None
-    if config.target.stand_in is not None or (Path(config.target.path) / "config.json").is_file():
-        folder = target_path(config.target)
-    if folder is None and given is None:
-        raise ConfigError(f"target.path {config.target.path} holds no config.json: set export.target_facts "
-                          f"({', '.join(FACT_KEYS)}) to export without the target")
-    if folder is None:
-        return given.model_dump()
-    text = target_text_config(folder)
-    read = {key: text.get(key) for key in FACT_KEYS}
-    if given is not None and given.model_dump() != read:
-        raise ConfigError(f"export.target_facts {given.model_dump()} disagree with {folder}/config.json {read}")
-    return read
+def spec_format(config_json: dict) -> str:
+    """"speculators" when a config.json carries speculators' section, else "reference"."""
+    return "speculators" if "speculators_config" in config_json else "reference"
 
 
-def aux_layer_ids(config: RunConfig, facts: dict[str, Any]) -> list[int]:
-    """The aux layer ids the run captures, vLLM's convention (02_hidden_states records the same list)."""
-    return list(config.capture.aux_layer_ids or default_aux_layer_ids(facts["num_hidden_layers"]))
+def speculative_config(export_dir: Path, k: int) -> dict:
+    """vLLM's `speculative_config` serving the draft folder `export_dir` with k speculative tokens."""
+    return {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
 
 
 # ------------------------------------------------------------------------------------------- config.json
@@ -106,29 +96,13 @@ def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[in
     }
 
 
-def speculators_config(reference: dict, verifier: str, verifier_architectures: list[str], k: int) -> dict:
-    """The speculators 0.9 config (`vllm serve <dir>` reads verifier and proposal from it) for the same draft."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    model = meta_draft(reference)
-    model.config.speculators_config = SpeculatorsConfig(
-        algorithm="eagle3",
-        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=k)],
-        default_proposal_method="greedy",
-        verifier=VerifierConfig(name_or_path=verifier, architectures=verifier_architectures),
-    )
-    config = model.config.to_dict()
-    layer = config["transformer_layer_config"]
-    layer.update(bos_token_id=reference["bos_token_id"], eos_token_id=reference["eos_token_id"])
-    layer.pop("transformers_version", None)
-    for noise in ("_name_or_path", "transformers_version", "id2label", "label2id"):
-        config.pop(noise, None)
-    config["torch_dtype"] = "bfloat16"
-    return config
+def run_reference_config(config: RunConfig) -> dict:
+    """The reference config.json a run config implies (aux ids as the run captures them)."""
+    facts = target_facts(config)
+    aux_ids = run_aux_layer_ids(config, facts["num_hidden_layers"])
+    return reference_config(config.draft, facts, aux_ids, config.target.engine.max_model_len)
 
 
-# ---------------------------------------------------------------------------------------------- tensors
 def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
     """The draft shape, aux ids and target vocab a config.json (either format) describes."""
     layer = config_json.get("transformer_layer_config", config_json)
@@ -148,16 +122,68 @@ def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
     return draft, list(aux or [0, 1, 2]), layer["vocab_size"]  # no ids: vLLM's default of 3 aux states
 
 
-def meta_draft(config_json: dict):
-    """The training draft for a config.json, built on the meta device: shapes without memory or weights."""
+# ---------------------------------------------------------------------------------------------- tensors
+def draft_tensor_shapes(config_json: dict) -> dict[str, tuple[list[int], str]]:
+    """{name: (shape, dtype as exported)} of every tensor of the draft a config.json describes, under the
+    training draft's names (speculators' Eagle3DraftModel), frozen verifier tensors included."""
     draft, aux, vocab = draft_fields(config_json)
-    with torch.device("meta"):
-        return build_draft(draft, aux, vocab, attention="sdpa")
+    hidden, heads, kv_heads = draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads
+    layer = "layers.0."
+    floating = {
+        "embed_tokens.weight": [vocab, hidden],
+        "fc.weight": [hidden, len(aux) * hidden],
+        # the layer's attention reads [embedding | hidden state]: twice the hidden size
+        layer + "self_attn.q_proj.weight": [heads * draft.head_dim, 2 * hidden],
+        layer + "self_attn.k_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
+        layer + "self_attn.v_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
+        layer + "self_attn.o_proj.weight": [hidden, heads * draft.head_dim],
+        layer + "mlp.gate_proj.weight": [draft.intermediate_size, hidden],
+        layer + "mlp.up_proj.weight": [draft.intermediate_size, hidden],
+        layer + "mlp.down_proj.weight": [hidden, draft.intermediate_size],
+        layer + "input_layernorm.weight": [hidden],
+        layer + "hidden_norm.weight": [hidden],
+        layer + "post_attention_layernorm.weight": [hidden],
+        "norm.weight": [hidden],
+        "lm_head.weight": [draft.draft_vocab_size, hidden],
+        "verifier_norm.weight": [hidden],
+        "verifier_lm_head.weight": [draft.draft_vocab_size, hidden],
+        **({"input_norm.weight": [len(aux) * hidden]} if draft.norm_before_fc else {}),
+    }
+    return {**{name: (shape, dtype_name(EXPORT_DTYPE)) for name, shape in floating.items()},
+            "d2t": ([draft.draft_vocab_size], "int64"), "t2d": ([vocab], "bool")}
 
 
-def tensor_entries(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """{name: {"shape", "dtype"}} in the export's dtypes (floating tensors bf16, d2t int64, t2d bool)."""
-    return {name: {"shape": list(t.shape), "dtype": dtype_name(export_dtype(t))} for name, t in state.items()}
+def stored_tensors(draft_state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a checkpoint and the speculators format store: everything but the frozen verifier tensors."""
+    return {name: value for name, value in draft_state.items() if name not in FROZEN}
+
+
+def export_state_dict(draft_state: Mapping[str, Any], fmt: str) -> dict[str, Any]:
+    """The tensors (or entries) a format stores, by name: speculators = the checkpoint's layers.0.* names;
+    reference = the reference's (eagle3_pipeline/reference/aq_medai_kimi_k25_eagle3.json):
+
+        layers.0.<rest>                                   -> midlayer.<rest>
+        fc.weight, norm.weight, lm_head.weight, d2t, t2d  -> unchanged
+        embed_tokens, verifier_norm, verifier_lm_head     -> dropped (vLLM shares the target's embedding)
+    """
+    stored = stored_tensors(draft_state)
+    if fmt == "speculators":
+        return stored
+    if any(name.startswith("layers.1.") for name in stored):
+        raise ValueError("the reference format holds one decoder layer; this draft has more")
+    return {name.replace("layers.0.", "midlayer.", 1): value for name, value in stored.items()}
+
+
+def implied_tensors(config_json: dict, fmt: str) -> dict[str, dict[str, Any]]:
+    """{name: {"shape", "dtype"}} of the tensors a format stores for the draft a config.json describes."""
+    entries = {name: {"shape": shape, "dtype": dtype} for name, (shape, dtype) in draft_tensor_shapes(config_json).items()}
+    return export_state_dict(entries, fmt)
+
+
+def reference_spec(config: RunConfig) -> Spec:
+    """The reference-format spec a run config implies."""
+    reference = run_reference_config(config)
+    return Spec(reference, implied_tensors(reference, "reference"))
 
 
 def export_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -166,39 +192,6 @@ def export_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def export_state_dict(draft_state: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """The tensors a format stores: reference = midlayer.* names; speculators = the checkpoint's layers.0.*.
-    Neither holds the frozen verifier tensors: vLLM shares the target's embedding."""
-    if fmt == "reference":
-        return reference_state_dict(draft_state)
-    return {name: tensor for name, tensor in draft_state.items() if name not in FROZEN}
-
-
-def implied_tensors(config_json: dict, fmt: str) -> dict[str, dict[str, Any]]:
-    return tensor_entries(export_state_dict(meta_draft(config_json).state_dict(), fmt))
-
-
-def run_spec(config: RunConfig, fmt: str) -> Spec:
-    """The spec the run config implies for one export format."""
-    facts = target_facts(config)
-    reference = reference_config(config.draft, facts, aux_layer_ids(config, facts), config.target.engine.max_model_len)
-    if fmt == "reference":
-        return Spec(reference, implied_tensors(reference, fmt))
-    speculators = speculators_config(reference, verifier_path(config), verifier_architectures(config),
-                                     config.export.num_speculative_tokens)
-    return Spec(speculators, implied_tensors(reference, fmt))
-
-
-def verifier_path(config: RunConfig) -> str:
-    """The target as a serving command names it: its folder (a stand-in's cache folder)."""
-    return str(target_path(config.target)) if config.target.stand_in else str(config.target.path)
-
-
-def verifier_architectures(config: RunConfig) -> list[str]:
-    config_file = Path(verifier_path(config)) / "config.json"
-    return json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
 
 
 # ------------------------------------------------------------------------------------------------ reading

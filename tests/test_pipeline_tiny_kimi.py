@@ -1,0 +1,59 @@
+"""01 ... 06 run as a user runs them, one script after the other, on configs/tiny_kimi.yaml: the Kimi code paths
+end to end. 01 lets the MLA target write magpie chats in thinking mode; 02 captures through the worker
+extension (MLA); 03, 04 (4 steps), 05 (both formats); 06 checks both folders and serves the reference draft
+on the MLA target, in an environment where speculators cannot be imported (as vLLM 0.16's).
+
+Three engine starts (01, 02, 06 with the draft): a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import load_from_disk
+
+from eagle3_pipeline.stage_io import STAGES, read_manifest
+from tests.conftest import CONFIGS, run_python
+from tests.no_speculators import without_speculators
+
+THINK = 163606  # Kimi's <think>: in thinking mode the generation prompt opens the reasoning
+SETTINGS = ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every=4", "train.eval_every=4",
+            "train.log_every=1", "validate.compare_without_speculation=false"]
+
+
+@pytest.mark.vllm
+def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [word for setting in [f"run_dir={run_dir}", *SETTINGS] for word in ("--set", setting)]
+    manifests, outputs = {}, {}
+    for spec in STAGES.values():
+        environment = without_speculators(tmp_path / "site") if spec.name == "06_validate" else None
+        result = run_python(spec.script, "--config", str(CONFIGS / "tiny_kimi.yaml"), *overrides, timeout=900,
+                            env=environment)
+        assert result.returncode == 0, f"{spec.script}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        manifests[spec.name], outputs[spec.name] = read_manifest(run_dir / spec.name), result.stdout
+        assert manifests[spec.name] is not None and manifests[spec.name]["stage"] == spec.name
+
+    data = manifests["01_data"]["counts"]
+    stats = json.loads((run_dir / "01_data" / "stats.json").read_text())
+    assert data["train_samples"] + data["eval_samples"] + data["skipped"] == 32 and data["eval_samples"] >= 1
+    assert stats["generation"]["answers_generated"] > 0
+    prompts = load_from_disk(str(run_dir / "01_data" / "eval"))["prompt_ids"]
+    assert all(ids[-1] == THINK for ids in prompts), "the eval prompts must end in the thinking-mode opening"
+
+    states = manifests["02_hidden_states"]
+    assert "capture path: worker_extension" in outputs["02_hidden_states"]
+    assert states["layout"]["aux_layer_ids"] == [2, 4, 5] and states["layout"]["final_layer_id"] == 8
+    assert states["counts"]["samples"] == data["train_samples"] + data["eval_samples"]
+
+    assert manifests["03_vocab"]["counts"]["draft_vocab_size"] == 2048
+    assert manifests["04_train"]["counts"]["steps"] == 4 and manifests["04_train"]["counts"]["eval_accuracy"]
+    assert manifests["05_export"]["formats"] == ["reference", "speculators"]
+    assert set(manifests["05_export"]["specs"]) == {"reference", "speculators"}
+
+    report = json.loads((run_dir / "06_validate" / "report.json").read_text())
+    assert report["verdict"] == "PASSED" and report["prompts"] == min(4, data["eval_samples"])
+    assert report["runs"][0]["num_drafts"] > 0 and report["runs"][0]["skipped_parameters"] == []
+    assert all(d["kind"] != "breaking" for ds in report["static_differences"].values() for d in ds)
+    assert manifests["06_validate"]["counts"]["prompts"] == report["prompts"]
