@@ -155,7 +155,7 @@ class StreamConfig(Section):
         "directory", description="directory = a folder both sides see (`dir`); mooncake = a Mooncake store, for "
         "capture and trainer nodes that share no filesystem (`mooncake`)",
     )
-    mooncake: MooncakeConfig = MooncakeConfig()
+    mooncake: MooncakeConfig = Field(MooncakeConfig(), description="transport mooncake: the master and this process's part")
     dir: str | None = Field(
         None, description="folder the states pass through: local NVMe or /dev/shm on one node, a shared filesystem "
         "(NFS, Lustre) when 02 and 04 run on different machines; null = <run_dir>/02_hidden_states/stream",

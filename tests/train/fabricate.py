@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from eagle3_pipeline import capture
 from eagle3_pipeline.config import RunConfig, parse_config
+from eagle3_pipeline.data.chat_template import KINDS
 from eagle3_pipeline.data.stats import generation_stats, split_stats
 from eagle3_pipeline.hidden_states_store import SampleStates, write_index, write_shard
 from eagle3_pipeline.prepare_data import write_prepared
@@ -103,7 +104,8 @@ def row(sample: dict, with_prompt: bool) -> dict:
     """A fabricated sample as stage 01's tokenizer gives a row (`data.samples.to_row`)."""
     ids = np.asarray(sample["input_ids"], dtype=np.int32)
     made = {"id": sample["id"], "source": "fabricated", "input_ids": ids,
-            "loss_mask": np.asarray(sample["loss_mask"], dtype=np.int8), "seq_len": len(ids), "truncated": False}
+            "loss_mask": np.asarray(sample["loss_mask"], dtype=np.int8), "seq_len": len(ids), "truncated": False,
+            "loss_tokens_by_kind": {kind: 0 for kind in KINDS} | {"answer": sum(sample["loss_mask"])}}
     if with_prompt:
         made["prompt_ids"] = ids[: sample["loss_mask"].index(1)]
     return made
