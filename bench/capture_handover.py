@@ -16,7 +16,7 @@ With `--forward-tokens-per-s R` each step also runs a synthetic forward (bf16 ma
 tokens / R seconds) before it is recorded; `exposed_us_per_token` is then what capture adds to the forwards
 (hand-over time the overlap does not hide). Raw single-copy rates (pageable, pinned, mapped slab) come first.
 
-    python bench/capture_handover.py                              # on the GPU: bench/results/capture_handover.json
+    python bench/capture_handover.py --steps 6 --out bench/results/capture_handover_h200.json   # on the H200
     python bench/capture_handover.py --device cpu --steps 2 --hidden 64 --tokens 96 128 --out /tmp/h.json
 """
 
@@ -67,9 +67,10 @@ def fake_worker(device: torch.device, handover: str, num_aux: int, directory: st
     worker = HiddenStateCapture()
     worker.rank, worker._capture_chunks = 0, {}
     worker._capture_layer_ids, worker._capture_handover = tuple(range(num_aux)), handover
-    worker._capture_arena = MappedArena(pin=device.type == "cuda", directory=directory) if handover == "mapped" else None
+    worker._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
     worker.model_runner = SimpleNamespace(device=device, input_batch=SimpleNamespace(req_ids=[]),
-                                          query_start_loc=SimpleNamespace(cpu=None), input_ids=SimpleNamespace(gpu=None))
+                                          query_start_loc=SimpleNamespace(cpu=None),
+                                          input_ids=SimpleNamespace(gpu=None))
     return worker
 
 

@@ -56,6 +56,7 @@ EXTENSION = "patches.capture_worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
 SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
 ALIGN = 4096
+ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
 STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
 
 
@@ -162,13 +163,17 @@ class HiddenStateCapture:
 
 class MappedArena:
     """Reused host slabs that steps' states are copied into: files in a private folder (under /dev/shm where
-    it has room for two slabs, else the temp dir) mapped shared, page-locked with CUDA when `pin`, so a device-to-host copy lands in pages the
-    main process maps. Copies run on a side stream; `wait` blocks until they have landed."""
+    it has room for two slabs, else the temp dir) mapped shared, page-locked with CUDA when `pin`, so a
+    device-to-host copy lands in pages the main process maps. Copies run on a side stream; `wait` blocks
+    until they have landed."""
 
     def __init__(self, pin: bool, directory: str | None = None):
-        if directory is None and os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * SLAB_BYTES:
-            directory = "/dev/shm"
-        self.directory = tempfile.mkdtemp(prefix="capture-handover-", dir=directory)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        for parent in {directory, shm, tempfile.gettempdir()} - {None}:
+            _remove_orphans(parent)
+        if directory is None and shm and shutil.disk_usage(shm).free > 2 * SLAB_BYTES:
+            directory = shm
+        self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
         self.slabs: list[tuple[str, torch.Tensor]] = []
         self.slab, self.used = 0, 0
@@ -222,6 +227,14 @@ class MappedArena:
                 raise RuntimeError(f"hidden-state capture: page-locking a {nbytes}-byte slab failed (CUDA error "
                                    f"{int(status)}); set_capture_layers(..., handover='pageable') avoids it")
         return path, slab
+
+
+def _remove_orphans(parent: str) -> None:
+    """Slab folders of workers that died without cleaning up (killed runs): their memory is freed here."""
+    for folder in Path(parent).glob(f"{ORPHAN_PREFIX}*-*"):
+        pid = folder.name.removeprefix(ORPHAN_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _aligned(nbytes: int) -> int:
