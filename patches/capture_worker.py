@@ -26,7 +26,7 @@ the default on 0.16/0.17 and on CPU; set VLLM_USE_V2_MODEL_RUNNER=0 where a rele
   `set_capture_layers(..., handover=)`:
   - `mapped` (the default on a GPU): each step's states are copied, asynchronously on a side CUDA stream so
     the copy overlaps the next step's forward, into reused page-locked host slabs: files in a folder of the
-    worker's own (/dev/shm where there is one), registered with CUDA, so the GPU writes them by DMA and the
+    worker's own (under /dev/shm where it has room), registered with CUDA, so the GPU writes them by DMA and the
     main process maps the same pages; one pass over the bytes. `pop_captured` waits for the copies, then
     writes one small JSON per request locating its chunks. The slabs are reused from the next forward on:
     `load_captured` (which copies the states out) must run before the next `generate`.
@@ -75,7 +75,9 @@ class HiddenStateCapture:
         _check_engine(self.vllm_config, self.model_runner, model, ids)
         model.set_aux_hidden_state_layers(ids)
         if not hasattr(self, "_capture_chunks"):  # first call: hook the model once
-            self._capture_chunks: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+            # per request: (first position, token ids, aux, final) on the host, or (first position, where
+            # the chunk lies in the mapped slabs)
+            self._capture_chunks: dict[str, list[tuple]] = {}
             self._capture_final: torch.Tensor | None = None
             self._capture_arena: MappedArena | None = None
             _language_model(model).model.norm.register_forward_pre_hook(self._capture_norm_input, with_kwargs=True)
