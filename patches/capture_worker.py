@@ -55,6 +55,7 @@ from safetensors.torch import load_file, save_file
 EXTENSION = "patches.capture_worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
 SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
+CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)
 ALIGN = 4096
 ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
 STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
@@ -173,7 +174,8 @@ class MappedArena:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         for parent in {directory, shm, tempfile.gettempdir()} - {None}:
             _remove_orphans(parent)
-        if directory is None and shm and shutil.disk_usage(shm).free > 2 * SLAB_BYTES:
+        self.slab_bytes = SLAB_BYTES if pin else CPU_SLAB_BYTES
+        if directory is None and shm and shutil.disk_usage(shm).free > 2 * self.slab_bytes:
             directory = shm
         self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
@@ -215,13 +217,16 @@ class MappedArena:
         while self.slab < len(self.slabs) and self.used + nbytes > self.slabs[self.slab][1].numel():
             self.slab, self.used = self.slab + 1, 0
         if self.slab == len(self.slabs):
-            self.slabs.append(self._new_slab(max(nbytes, SLAB_BYTES)))
+            self.slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
         path, slab = self.slabs[self.slab]
         base, self.used = self.used, self.used + nbytes
         return path, base, slab
 
     def _new_slab(self, nbytes: int) -> tuple[str, torch.Tensor]:
         path = os.path.join(self.directory, f"slab{len(self.slabs)}.bin")
+        if shutil.disk_usage(self.directory).free < nbytes:  # a mapping past a full tmpfs would fault later
+            raise RuntimeError(f"hidden-state capture: {self.directory} has no room for another {nbytes}-byte "
+                               "slab (one generate call's states must fit); capture fewer prompts at once")
         slab = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         if self.pin:
             status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
