@@ -23,11 +23,12 @@ BF16_TOLERANCE = 0.03  # transformers' own bf16 run is 0.2-1.8% off its fp32 one
 FP32_TOLERANCE = 1e-3
 
 
-def capture(llm, prompts: list[list[int]], layer_ids: list[int], hand_over) -> tuple[str, list[dict]]:
+def capture(llm, prompts: list[list[int]], layer_ids: list[int], hand_over, handover: str = "auto"
+            ) -> tuple[str, list[dict]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    source = llm.collective_rpc("set_capture_layers", args=(layer_ids,))[0]
+    source = llm.collective_rpc("set_capture_layers", args=(layer_ids, handover))[0]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(max_tokens=1))
     return source, load_captured(outputs, llm.collective_rpc("pop_captured", args=(str(hand_over),))[0])
 
@@ -80,6 +81,18 @@ def test_smollm2_states_match_transformers(smol, smollm2_dir):
 
 def test_worker_refuses_bad_layer_ids(smol):
     assert "distinct, ascending" in smol[3]
+
+
+def test_mapped_hand_over_across_processes_equals_pageable(smol, smollm2_dir, tmp_path):
+    """The engine's worker process writes the mapped slabs, this process reads them: the states are today's
+    (pageable, CPU's default) bit for bit, chunked prefill included."""
+    prompts, _, pageable, _ = smol
+    with running_llm(smollm2_dir, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False,
+                     dtype="bfloat16", max_model_len=256, max_num_batched_tokens=32) as llm:
+        _, mapped = capture(llm, prompts, SMOL_IDS, tmp_path / "hand_over", handover="mapped")
+    for ours, reference in zip(mapped, pageable, strict=True):
+        assert ours.keys() == reference.keys()
+        assert all(torch.equal(ours[name], reference[name]) for name in reference)
 
 
 # ------------------------------------------------------------- tiny Kimi-K2.5 with the vLLM 0.16 classes

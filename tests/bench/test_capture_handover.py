@@ -1,0 +1,95 @@
+"""The worker extension's mapped hand-over against today's pageable one, on CPU (no vLLM), and the bench's
+CPU smoke mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.capture_handover import fake_worker, record
+from patches.capture_worker import ORPHAN_PREFIX, HiddenStateCapture, MappedArena, load_captured
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN, NUM_AUX = 16, 3
+PROMPTS = {"a": list(range(100, 110)), "b": list(range(200, 204)), "c": list(range(300, 308))}
+
+
+def step(rows: dict[str, tuple[int, int]], seed: int) -> dict:
+    """A forward step computing tokens start:end of each named request, with states of its own."""
+    ids = [t for r, (a, b) in rows.items() for t in PROMPTS[r][a:b]]
+    bounds = [0]
+    for a, b in rows.values():
+        bounds.append(bounds[-1] + b - a)
+    states = torch.randn(NUM_AUX + 1, len(ids) + 3, HIDDEN, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float32).to(torch.bfloat16)  # 3 rows of padding past the last request
+    return {"req_ids": list(rows), "starts": torch.tensor(bounds, dtype=torch.int32),
+            "token_ids": torch.tensor(ids + [0, 0, 0], dtype=torch.int32),
+            "positions": torch.cat([torch.arange(a, b) for a, b in rows.values()] + [torch.zeros(3, dtype=torch.long)]),
+            "aux": list(states[:NUM_AUX]), "final": states[-1]}
+
+
+# "a" is chunked over two steps; "b" is preempted and recomputed from its start in the last step.
+STEPS = [step({"a": (0, 6), "b": (0, 3)}, 0), step({"a": (6, 10), "c": (0, 8)}, 1), step({"b": (0, 4)}, 2)]
+OUTPUTS = [SimpleNamespace(request_id=r, prompt_token_ids=ids) for r, ids in PROMPTS.items()]
+
+
+def captured(handover: str, folder: Path, rounds: int = 1) -> list[list[dict[str, torch.Tensor]]]:
+    folder.mkdir()
+    worker = fake_worker(torch.device("cpu"), handover, NUM_AUX, str(folder))
+    results = []
+    for _ in range(rounds):  # the mapped slabs are reused from the second round on
+        for s in STEPS:
+            record(worker, s)
+        results.append(load_captured(OUTPUTS, worker.pop_captured(str(folder / "spool"))))
+        assert not list((folder / "spool").iterdir())  # load_captured removed what pop_captured wrote
+    return results
+
+
+def test_mapped_hand_over_equals_pageable_bit_for_bit(tmp_path):
+    (today,) = captured("pageable", tmp_path / "pageable")
+    for mapped in captured("mapped", tmp_path / "mapped", rounds=2):
+        for ours, reference in zip(mapped, today):
+            assert ours.keys() == reference.keys()
+            for name in reference:
+                assert ours[name].dtype == reference[name].dtype and torch.equal(ours[name], reference[name])
+    assert [len(c["token_ids"]) for c in today] == [10, 4, 8]
+    assert torch.equal(today[1]["final_hidden_state"], STEPS[2]["final"][:4])  # "b" as recomputed
+
+
+def test_mapped_hand_over_checks_tokens_against_the_prompt(tmp_path):
+    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path))
+    for s in STEPS:
+        record(worker, s)
+    paths = worker.pop_captured(str(tmp_path / "spool"))
+    wrong = [SimpleNamespace(request_id="a", prompt_token_ids=PROMPTS["c"])]
+    with pytest.raises(ValueError, match="not its prompt"):
+        load_captured(wrong, paths)
+
+
+def test_handover_is_validated():
+    with pytest.raises(ValueError, match="handover 'pinned'"):
+        HiddenStateCapture().set_capture_layers([1], handover="pinned")
+
+
+def test_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "handover.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "capture_handover.py"), "--device", "cpu", "--steps", "2",
+                    "--hidden", "32", "--tokens", "64", "96", "--dir", str(tmp_path), "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"pageable", "mapped"} and result["mapped_equals_pageable"] is True
+    assert all(v["us_per_token"] > 0 and "GB_per_s" in v for v in result["variants"].values())
+
+
+def test_a_killed_workers_slabs_are_removed(tmp_path):
+    dead, alive = tmp_path / f"{ORPHAN_PREFIX}999999999-x", tmp_path / f"{ORPHAN_PREFIX}{os.getpid()}-y"
+    dead.mkdir(), alive.mkdir()
+    arena = MappedArena(pin=False, directory=str(tmp_path))
+    assert not dead.exists() and alive.exists() and Path(arena.directory).exists()
