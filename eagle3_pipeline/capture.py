@@ -157,8 +157,7 @@ def states_layout(aux_layer_ids: list[int], num_layers: int, hidden_size: int, d
 
 def layout_record(layout: dict) -> dict:
     """The layout and the bytes each token's states take: what 02's manifest and stream.json carry."""
-    per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
-    return {"layout": layout, "bytes_per_token": per_token}
+    return {"layout": layout, "bytes_per_token": store.layout_bytes_per_token(layout)}
 
 
 def open_stream(stage: Stage, layout: dict) -> None:
@@ -256,7 +255,7 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     finished (the last one writes the manifest and ends the stream), else None."""
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
-    per_token = store.bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+    per_token = store.layout_bytes_per_token(layout)
     producer = stream.Producer(transport, config.capture.stream, shard_index, num_shards,
                                identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "

@@ -62,6 +62,11 @@ def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
     return vectors * hidden_size * 2
 
 
+def layout_bytes_per_token(layout: dict) -> int:
+    """bytes_per_token of the states a layout (index.json, stream.json) describes."""
+    return bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+
+
 def encode_states(samples: list[SampleStates], dtype: str) -> dict[str, torch.Tensor]:
     """The tensors of a shard (or of a stream item) holding `samples` back to back along the token axis."""
     aux = torch.cat([s.aux for s in samples])

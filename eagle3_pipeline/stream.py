@@ -41,7 +41,7 @@ from safetensors.torch import save as save_bytes
 
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline.config import RunConfig, StreamConfig
-from eagle3_pipeline.stage_io import StageError, atomic_path, read_json, write_json_atomic
+from eagle3_pipeline.stage_io import MANIFEST, StageError, atomic_path, read_json, write_json_atomic
 
 CONSUMER = "consumer"
 FIRST_MESSAGE_AFTER_S = 5.0  # a wait shorter than this is routine and says nothing
@@ -163,14 +163,14 @@ def open_transport(config: RunConfig, identity: str | None = None, item_bytes: i
 
 def shares_folder(config: RunConfig) -> bool:
     """True when every side of the stream sees the same run_dir (the directory transport); with Mooncake, 02's
-    folder reaches the other nodes through the store (`publish_folder`, `fetch_folder`)."""
+    folder reaches the other nodes through the store (job 0 publishes it, `fetch_folder` writes it elsewhere)."""
     return config.capture.stream.transport == "directory"
 
 
 def published_names(stage_dir: Path) -> list[str]:
     """What 02 hands the other nodes: its folder as the stream opened it (header, eval shards, index)."""
     return sorted(p.name for p in stage_dir.iterdir() if p.is_file() and not p.name.startswith(".")
-                  and p.name != "manifest.json" and ".tmp" not in p.name)
+                  and p.name != MANIFEST and ".tmp" not in p.name)
 
 
 def fetch_folder(config: RunConfig, stage_dir: Path, who: str) -> None:

@@ -24,7 +24,7 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from tqdm import tqdm
 
 from eagle3_pipeline.config import ConfigError, RunConfig
-from eagle3_pipeline.hidden_states_store import bytes_per_token, open_reader
+from eagle3_pipeline.hidden_states_store import layout_bytes_per_token, open_reader
 from eagle3_pipeline.pack_plan import PackStream, plan_packs
 from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
@@ -223,10 +223,9 @@ def stream_consumer(config: RunConfig, states_dir: Path, layout: dict) -> Consum
     if plan != wanted:
         raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
                          "train.seed): rerun 02_generate_hidden_states.py --force with this config")
-    per_token = bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
     identity = stream_identity(states_dir)
-    return Consumer(open_transport(config, identity, largest_item_bytes(config, per_token)), config.capture.stream,
-                    identity)
+    item_bytes = largest_item_bytes(config, layout_bytes_per_token(layout))
+    return Consumer(open_transport(config, identity, item_bytes), config.capture.stream, identity)
 
 
 def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:
