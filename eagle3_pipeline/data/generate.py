@@ -2,8 +2,9 @@
 
 Magpie: the target is given the chat template's user prefix (system turn, user header) and writes a user
 turn, then answers it. Regeneration: each assistant turn is replaced by the target's own answer to the
-conversation so far (earlier answers already replaced), and a conversation ending with a user turn gets
-an answer; batches go round by round, one turn per conversation per round.
+conversation so far (earlier answers already replaced), a user turn followed by another user turn gets an
+answer between them (MT-Bench's two questions), and a conversation ending with a user turn gets an answer;
+batches go round by round, one turn per conversation per round.
 
 Agentic conversations are regenerated turn by turn too, tool-calling turns included; the recorded tool
 results stay, as the target cannot know them. A regenerated turn that writes exactly the recorded turn's
@@ -95,9 +96,14 @@ class Rewrite:
         self.skip: str | None = None
 
     def needs_answer(self) -> bool:
-        """Copy the turns before the next answer; True when the target has an answer to write now."""
+        """Copy the turns before the next answer; True when the target has an answer to write now: in place of
+        a recorded answer, between two user turns (MT-Bench's second question follows the first answer), or
+        after the last turn."""
+        self.replaced = None
         while self.pending and self.pending[0]["role"] != "assistant":
             self.messages.append(self.pending.pop(0))
+            if self.messages[-1]["role"] == "user" and self.pending and self.pending[0]["role"] == "user":
+                return True
         self.replaced = self.pending.pop(0) if self.pending else None
         return self.replaced is not None or (bool(self.messages) and self.messages[-1]["role"] != "assistant")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,8 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import DataConfig
 from eagle3_pipeline.data.chat_template import KINDS, ChatTemplate
-from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, up_to_last_answer
+from eagle3_pipeline.data.conversations import (Conversation, InvalidConversation, Skips, through_first_user_turn,
+                                                up_to_last_answer)
 
 
 def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool) -> dict[str, Any]:
@@ -17,19 +19,29 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     tokens per kind for the report); raises InvalidConversation.
 
     `with_prompt` (eval) adds `prompt_ids`: the conversation up to and including the generation prompt of its
-    last assistant turn, which stage 06 replays; an eval row whose prompt does not fit is skipped."""
-    layout = template.layout(up_to_last_answer(conversation.messages), tools=conversation.tools)
+    last assistant turn, which stage 06 replays; only that turn is in the loss mask (`served_turns` gives an
+    earlier turn a row of its own). An eval conversation without an answer (a benchmark's prompt, kept as it
+    is when regeneration is off) becomes its prompt alone, with no loss tokens: 06 serves it, 04 learns
+    nothing from it. An eval row whose prompt does not fit is skipped."""
+    prompt_only = with_prompt and not any(m["role"] == "assistant" for m in conversation.messages)
+    if prompt_only:
+        layout = template.layout(through_first_user_turn(conversation.messages), generation_prompt=True,
+                                 tools=conversation.tools)
+    else:
+        layout = template.layout(up_to_last_answer(conversation.messages), tools=conversation.tools)
     segment_ids, loss_mask = template.encode(layout.segments)
     input_ids = [token for ids in segment_ids for token in ids]
     kinds = [segment.kind for segment, ids in zip(layout.segments, segment_ids) for _ in ids]
     prompt_len = sum(len(ids) for ids in segment_ids[: layout.prompt_end])
+    if with_prompt:  # the served turn alone: earlier answers are context
+        loss_mask[:prompt_len], kinds[:prompt_len] = [0] * prompt_len, [None] * prompt_len
     truncated = len(input_ids) > data.max_seq_len
     if truncated and data.overlong == "drop":
         raise InvalidConversation("overlong")
-    if with_prompt and prompt_len >= data.max_seq_len:
+    if with_prompt and (prompt_len >= data.max_seq_len or prompt_only and truncated):
         raise InvalidConversation("overlong_prompt")
     input_ids, loss_mask = input_ids[: data.max_seq_len], loss_mask[: data.max_seq_len]
-    if not any(loss_mask):
+    if not any(loss_mask) and not prompt_only:
         raise InvalidConversation("no_loss_tokens")
     row = {
         "id": conversation.id,
@@ -45,12 +57,23 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     return row
 
 
+def served_turns(conversation: Conversation) -> list[Conversation]:
+    """An eval conversation as 06 serves it: one conversation per assistant turn, through that turn, ids
+    `<id>-turn<N>` when there are several (MT-Bench's two turns are two prompts, as the EAGLE papers count them)."""
+    answers = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
+    if len(answers) < 2:
+        return [conversation]
+    return [dataclasses.replace(conversation, id=f"{conversation.id}-turn{n}", messages=conversation.messages[: i + 1])
+            for n, i in enumerate(answers, start=1)]
+
+
 def to_rows(conversations: list[Conversation], template: ChatTemplate, data: DataConfig, with_prompt: bool,
             skips: Skips, split: str) -> list[dict[str, Any]]:
     rows = []
     for conversation in tqdm(conversations, desc=f"tokenize {split}", unit="conv"):
-        try:
-            rows.append(to_row(conversation, template, data, with_prompt))
-        except InvalidConversation as err:
-            skips.add(err.reason, conversation.id)
+        for turn in served_turns(conversation) if with_prompt else [conversation]:
+            try:
+                rows.append(to_row(turn, template, data, with_prompt))
+            except InvalidConversation as err:
+                skips.add(err.reason, turn.id)
     return rows

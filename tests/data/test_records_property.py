@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from eagle3_pipeline.config import DataConfig, SourceConfig
 from eagle3_pipeline.data.chat_template import REASONING_END, REASONING_START, ChatTemplate, load_tokenizer
 from eagle3_pipeline.data.conversations import InvalidConversation, Skips
-from eagle3_pipeline.data.samples import to_rows
+from eagle3_pipeline.data.samples import served_turns, to_rows
 from eagle3_pipeline.data.sources import load_conversations
 
 EXAMPLES = 400  # per target: 10-20 s each here
@@ -139,12 +139,16 @@ def test_every_record_is_kept_or_skipped_once_and_masks_hold_only_assistant_text
     for outcome in [*skips.counts, "kept"] if rows else skips.counts:  # pytest --hypothesis-show-statistics
         event(outcome)
 
-    assert len(rows) + sum(skips.counts.values()) == len(records)
+    # eval rows: one per served turn (samples.served_turns); a record that did not load is skipped once
+    turns = [turn for c in conversations for turn in (served_turns(c) if with_prompt else [c])]
+    assert len(rows) + sum(skips.counts.values()) == len(records) - len(conversations) + len(turns)
     assert len({row["id"] for row in rows}) == len(rows)
-    messages = {c.id: c.messages for c in conversations}
+    messages = {turn.id: turn.messages for turn in turns}
     markers = re.compile("|".join(map(re.escape, [template.end_of_turn, REASONING_START, REASONING_END])))
     for row in rows:
-        assert row["loss_mask"].any() and len(row["input_ids"]) == row["seq_len"] <= max_seq_len
+        answered = any(m["role"] == "assistant" for m in messages[row["id"]])
+        assert row["loss_mask"].any() == answered and len(row["input_ids"]) == row["seq_len"] <= max_seq_len
+        assert with_prompt or answered  # a prompt without an answer is kept for eval alone
         allowed = [spelled(template, text) for text in assistant_texts(messages[row["id"]])]
         spans = masked_spans(row)
         for span in spans:
