@@ -103,7 +103,7 @@ def unroll(model, batch: dict, ttt_steps: int) -> torch.Tensor:
             logits = model.lm_head(hidden)
         else:
             logits = model.lm_head(model.norm(hidden))
-        _, stats = target.distill(logits, loss_mask, document_ids, step)  # kl_sum, correct, count
+        _, stats, _ = target.distill(logits, loss_mask, document_ids, step)  # kl_sum, correct, count
         rows = length - step
         counted = loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
         correct = logits[:, :rows].argmax(-1) == target.top1[:, step:]

@@ -38,6 +38,7 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_jso
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import build_draft
+from eagle3_pipeline.train.metrics import AL_KEY
 
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
@@ -128,7 +129,8 @@ def eval_metrics(train_dir: Path, step: int) -> dict | None:
     record = at_step[-1]
     steps = range(sum(1 for key in record if key.startswith("acc_")))
     return {"step": step, "eval_accuracy": [round(record[f"acc_{k}"], 6) for k in steps],
-            "eval_loss": [round(record[f"loss_{k}"], 6) for k in steps]}
+            "eval_loss": [round(record[f"loss_{k}"], 6) for k in steps],
+            "simulated_acceptance": {key: round(value, 6) for key, value in record.items() if key.startswith("al_k")}}
 
 
 def parameter_count(state: dict[str, torch.Tensor]) -> int:
@@ -206,6 +208,12 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
     metric_lines = ["| TTT step | eval top-1 accuracy | eval KL |", "|---|---|---|"] + [
         f"| {k} | {acc:.4f} | {loss:.4f} |" for k, (acc, loss) in enumerate(zip(metrics["eval_accuracy"], metrics["eval_loss"]))
     ] if metrics else ["no eval record at this checkpoint"]
+    simulated = (metrics or {}).get("simulated_acceptance") or {}
+    ks = sorted(int(key[4:]) for key in simulated if AL_KEY.fullmatch(key))
+    per_position = {k: ", ".join(format(simulated[f"al_k{k}_pos{i}"], ".3f") for i in range(1, k + 1)) for k in ks}
+    simulated_lines = ["| k | mean acceptance length | acceptance per position |", "|---|---|---|"] + [
+        f"| {k} | {simulated[f'al_k{k}']:.3f} | {per_position[k]} |" for k in ks
+    ] if ks else ["not simulated (the eval answers are not the target's greedy ones)"]
     draft = config.draft.model_dump()
     train = config.train.model_dump()
     return "\n".join([
@@ -219,5 +227,7 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
         "", "## Training", f"- checkpoint `{card['checkpoint']}` of {config.train.max_steps} steps",
         f"- draft: `{json.dumps(draft)}`", f"- train: `{json.dumps(train)}`",
         "", "## Eval metrics (04_train, teacher forced; acceptance of the (k+1)-th draft token)", *metric_lines,
+        "", "## Simulated acceptance (04_train: greedy chain drafting replayed on the eval split's greedy answers, "
+        f"up to {config.validate_.max_tokens} tokens per turn; 06_validate measures it in vLLM)", *simulated_lines,
         "", "## Serving", "```", serving_command(config, final_dir, fmt), "```", "",
     ])

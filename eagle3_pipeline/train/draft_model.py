@@ -58,7 +58,8 @@ class Eagle3Draft(Eagle3DraftModel):
     loss_chunk_rows: int | None = None  # `train.loss_chunk_rows` (set by `accelerate_draft`); None = plain loss
 
     def forward(self, aux, final, input_ids, position_ids, document_ids, loss_mask, ttt_steps, step_weights):
-        """Weighted TTT loss and per-step statistics [len(STATS), ttt_steps] of one batch of packed rows.
+        """Weighted TTT loss, per-step statistics [len(STATS), ttt_steps] and the draft's top-1 per step and row
+        (draft vocab ids [B, ttt_steps, L]; -1 past the rows a step has) of one batch of packed rows.
 
         aux [B, L, n_aux*H], final [B, L, H] (verifier state one token on), input_ids / position_ids /
         document_ids / loss_mask [B, L] as `data.py` packs them. The attention masks of all steps are built
@@ -72,7 +73,7 @@ class Eagle3Draft(Eagle3DraftModel):
             target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), plain=not self.loss_chunk_rows)
         hidden = self.fc(aux if self.input_norm is None else self.input_norm(aux))
         cache = DynamicCache()
-        tokens, loss, stats = input_ids, 0.0, []
+        tokens, loss, stats, top1 = input_ids, 0.0, [], []
         for step, mask in enumerate(masks):
             with torch.no_grad():
                 embeds = self.embed_tokens(tokens)
@@ -86,14 +87,15 @@ class Eagle3Draft(Eagle3DraftModel):
             if self.config.norm_output:  # the next step reads the normed state (vLLM: norm_output)
                 hidden = normed
             if self.loss_chunk_rows:
-                step_loss, step_stats = target.distill_chunked(normed, self.lm_head.weight, loss_mask, document_ids,
-                                                               step, self.loss_chunk_rows)
+                step_loss, step_stats, step_top1 = target.distill_chunked(
+                    normed, self.lm_head.weight, loss_mask, document_ids, step, self.loss_chunk_rows)
             else:
-                step_loss, step_stats = target.distill(self.lm_head(normed), loss_mask, document_ids, step)
+                step_loss, step_stats, step_top1 = target.distill(self.lm_head(normed), loss_mask, document_ids, step)
             loss = loss + step_weights[step] * step_loss
             stats.append(step_stats)
+            top1.append(F.pad(step_top1, (0, step), value=-1))
             tokens = F.pad(tokens[:, 1:], (0, 1))  # teacher forcing: the next step reads the next true token
-        return loss, torch.stack(stats, dim=1)
+        return loss, torch.stack(stats, dim=1), torch.stack(top1, dim=1)
 
 
 class VerifierTargets:
@@ -114,7 +116,8 @@ class VerifierTargets:
         return loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
 
     def distill(self, logits, loss_mask, document_ids, step):
-        """Forward KL(verifier || draft), mean over counted rows; the target of row t is row t+step's."""
+        """Forward KL(verifier || draft), mean over counted rows (the target of row t is row t+step's); the
+        statistics; the draft's top-1 at each row that has a step-`step` target."""
         counted = self.counted(loss_mask, document_ids, step)
         draft_logits = logits[:, :counted.shape[1]].float()
         # cross-entropy against the verifier's probabilities; its gradient is softmax(draft) - p
@@ -123,7 +126,8 @@ class VerifierTargets:
         kl = self.neg_entropy[:, step:] + cross_entropy
         count = counted.sum()
         loss = (kl * counted).sum() / count.clamp(min=1)
-        return loss, self._stats(kl, draft_logits.argmax(-1), counted, step)
+        top1 = draft_logits.argmax(-1)
+        return loss, self._stats(kl, top1, counted, step), top1
 
     def distill_chunked(self, hidden, head_weight, loss_mask, document_ids, step, chunk_rows):
         """`distill(lm_head(hidden), ...)` with the head and the loss fused, `chunk_rows` rows at a time."""
@@ -131,7 +135,8 @@ class VerifierTargets:
         row_weight = counted / counted.sum().clamp(min=1)
         loss, kl, top1 = chunked_head_kl(hidden[:, :counted.shape[1]].flatten(0, 1), head_weight,
                                          self.logits[:, step:].flatten(0, 1), row_weight.flatten(), chunk_rows)
-        return loss, self._stats(kl.view_as(counted), top1.view_as(counted), counted, step)
+        top1 = top1.view_as(counted)
+        return loss, self._stats(kl.view_as(counted), top1, counted, step), top1
 
     def _stats(self, kl, draft_top1, counted, step):
         correct = ((draft_top1 == self.top1[:, step:]) & counted).sum()

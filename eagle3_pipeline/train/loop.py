@@ -30,6 +30,7 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_ident
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
                                     shares_folder)
 from eagle3_pipeline.target import target_path
+from eagle3_pipeline.train.acceptance import ChainCounts, leading_matches, replay, served_turns
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
@@ -78,7 +79,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     float_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else torch.float32
     progress = tqdm(total=train.max_steps, initial=start_step, disable=not accelerator.is_main_process,
                     desc="04_train", dynamic_ncols=True)
-    eval_values = None
+    eval_values = eval_by_source = None
     for step in range(start_step + 1, train.max_steps + 1):  # step = optimizer steps done after this one
         try:
             packs = meter.wait_for(lambda: [next(train_batches) for _ in range(train.grad_accumulation)])
@@ -100,7 +101,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             progress.set_postfix(loss=f"{values['loss_0']:.3f}", acc0=f"{values['acc_0']:.3f}",
                                  tok_s=f"{values['tokens_per_s']:.0f}")
         if inputs.eval_rows is not None and (step % train.eval_every == 0 or step == train.max_steps):
-            eval_values = evaluate(model, inputs, train, accelerator, step_weights, float_dtype)
+            eval_values, eval_by_source = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
             log.log(step, "eval", eval_values)
         if step % train.checkpoint_every == 0 or step in (train.max_steps, stop_at_step):
             checkpoint(stage, step, model, optimizer, scheduler, accelerator, packs_per_step, train)
@@ -111,14 +112,14 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             return
     progress.close()
     if eval_values is None and inputs.eval_rows is not None:  # resumed at the last step: nothing was left
-        eval_values = evaluate(model, inputs, train, accelerator, step_weights, float_dtype)
+        eval_values, eval_by_source = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
 
     log.plot(stage.path("curves.png"), train.ttt_steps)
     log.close()
     if accelerator.is_main_process:
         if inputs.consumer:
             inputs.consumer.finish(end, packs_per_step, train.max_steps)
-        stage.finish(counts=final_counts(eval_values, meter, train), extra={
+        stage.finish(counts=final_counts(eval_values, eval_by_source, meter, train), extra={
             "final_checkpoint": f"checkpoints/step_{train.max_steps}",
             "aux_layer_ids": inputs.layout["aux_layer_ids"],
         })
@@ -166,6 +167,8 @@ class Inputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     consumer: Consumer | None  # capture.mode stream: 04's side of the stream
+    eval_samples: list[dict]  # per eval row: source, seq_len, prompt_len (the served turn, acceptance.py)
+    simulated_ks: list[int]  # validate.num_speculative_tokens, or [] when the eval answers are not greedy ones
 
     @property
     def num_aux(self) -> int:
@@ -191,14 +194,29 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
     shape = {"capacity": config.train.packed_length, "hidden_size": layout["hidden_size"],
              "aux_width": len(layout["aux_layer_ids"]) * layout["hidden_size"]}
     has_eval = "eval" in splits and len(splits["eval"]) > 0
+    eval_samples = served_samples(splits["eval"]) if has_eval else []
     return Inputs(
         train_rows=StreamedRows(splits["train"], states_dir, **shape, consumer=consumer, layout=layout) if consumer
         else PackedRows(splits["train"], states_dir, **shape),
         eval_rows=PackedRows(splits["eval"], states_dir, **shape) if has_eval else None,
         train_stream=PackStream(rows["train"], config.train.packed_length, config.train.seed),
         eval_packs=plan_packs(rows["eval"], config.train.packed_length, seed=[config.train.seed]) if has_eval else [],
-        layout=layout, d2t=d2t, t2d=t2d, consumer=consumer,
+        layout=layout, d2t=d2t, t2d=t2d, consumer=consumer, eval_samples=eval_samples,
+        simulated_ks=config.validate_.num_speculative_tokens if eval_samples and greedy_answers(config) else [],
     )
+
+
+def greedy_answers(config: RunConfig) -> bool:
+    """Whether the eval answers are the target's greedy continuations (what acceptance.py replays)."""
+    return config.data.regenerate.enabled and config.data.regenerate.temperature == 0
+
+
+def served_samples(split) -> list[dict]:
+    """Per eval row what acceptance.py needs; an older 01 without `prompt_ids` gives none (no simulation)."""
+    if "prompt_ids" not in split.column_names:
+        return []
+    return [{"source": source, "seq_len": seq_len, "prompt_len": len(prompt)}
+            for source, seq_len, prompt in zip(split["source"], split["seq_len"], split["prompt_ids"])]
 
 
 # ----------------------------------------------------------------------------------------------- stream
@@ -327,6 +345,13 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
     print(f"04_train: {accelerator.num_processes} process(es) on {accelerator.device.type}{mode}, global batch "
           f"{packs_per_step} packs ({packs_per_step * train.packed_length} rows) per step; {train.max_steps} steps "
           f"= {train.max_steps * packs_per_step / epoch_packs:.2f} epochs; starting at step {start_step}")
+    if inputs.simulated_ks:
+        print(f"04_train: eval simulates vLLM's acceptance at k = {inputs.simulated_ks} on "
+              f"{sum(s['seq_len'] > s['prompt_len'] for s in inputs.eval_samples)} served turns, up to "
+              f"validate.max_tokens {config.validate_.max_tokens} tokens each")
+    elif inputs.eval_rows is not None:
+        print("04_train: eval does not simulate acceptance: the eval answers are not the target's greedy ones "
+              "(data.regenerate enabled at temperature 0 makes them so)")
     print(f"04_train: draft {trainable / 1e6:.1f} M trainable + {frozen / 1e6:.1f} M frozen parameters, "
           f"{per_token / 1e9:.2f} GFLOP per token at {train.ttt_steps} TTT steps (+ attention), "
           f"precision {train.mixed_precision}")
@@ -378,21 +403,56 @@ class Throughput:
 
 
 @torch.no_grad()
-def evaluate(model, inputs: Inputs, train, accelerator, step_weights, float_dtype) -> dict[str, float]:
-    """Loss and accuracy per TTT step over the whole eval split (each process a share)."""
+def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights,
+             float_dtype) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Loss and accuracy per TTT step over the whole eval split (each process a share), and the acceptance
+    vLLM would measure, simulated at each k of `inputs.simulated_ks` (acceptance.py): (values, per source)."""
+    train, ks = config.train, inputs.simulated_ks
+    steps = max([train.ttt_steps, *ks])  # a k past the trained steps unrolls the chain further, loss-free
+    weights = [*step_weights, *[0.0] * (steps - train.ttt_steps)]
     packs = rank_share(inputs.eval_packs, accelerator.process_index, accelerator.num_processes)
-    stats = torch.zeros(3, train.ttt_steps, device=accelerator.device)
-    for batch in _loader(inputs.eval_rows, packs, train, accelerator):
+    sources = sorted({sample["source"] for sample in inputs.eval_samples})
+    chains = {(source, k): ChainCounts(k) for source in sources for k in ks}
+    d2t = accelerator.unwrap_model(model).d2t
+    stats = torch.zeros(3, steps, device=accelerator.device)
+    for index, batch in enumerate(_loader(inputs.eval_rows, packs, train, accelerator)):
         batch = to_device(batch, accelerator.device, float_dtype)
-        stats += model(**batch, ttt_steps=train.ttt_steps, step_weights=step_weights)[1]
-    return summarize(accelerator.reduce(stats, "sum"))
+        _, batch_stats, top1 = model(**batch, ttt_steps=steps, step_weights=weights)
+        stats += batch_stats
+        if ks:
+            proposals = torch.where(top1 >= 0, top1 + d2t[top1.clamp(min=0)], -1)  # draft ids -> target ids
+            leading = leading_matches(proposals, batch["input_ids"], batch["document_ids"]).tolist()
+            batch_packs = packs[index * train.micro_batch_size:(index + 1) * train.micro_batch_size]
+            for row_leading, (_, pack) in zip(leading, batch_packs):
+                for turn in served_turns([inputs.eval_samples[i] for i in pack]):
+                    for k in ks:
+                        replay(row_leading, turn.first_row, turn.answer_tokens, config.validate_.max_tokens,
+                               chains[turn.source, k])
+    values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"))
+    if not ks:
+        return values, {}
+    summed = accelerator.reduce(torch.stack([c.as_tensor() for c in chains.values()]).to(accelerator.device), "sum")
+    chains = {key: ChainCounts.from_tensor(key[1], row.cpu()) for key, row in zip(chains, summed)}
+    by_source = {source: {} for source in sources}
+    for k in ks:
+        overall = ChainCounts(k)
+        for source in sources:
+            by_source[source] |= chains[source, k].metrics()
+            overall = overall + chains[source, k]
+        values |= overall.metrics()
+    return values, by_source
 
 
-def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:
+def final_counts(eval_values: dict | None, eval_by_source: dict | None, meter: Throughput, train) -> dict:
     steps = range(train.ttt_steps)
+    simulated = {key: round(value, 6) for key, value in (eval_values or {}).items() if key.startswith("al_k")}
     return {
         "steps": train.max_steps,
         "train_tokens_this_launch": meter.total_tokens,
         "eval_accuracy": [round(eval_values[f"acc_{k}"], 6) for k in steps] if eval_values else None,
         "eval_loss": [round(eval_values[f"loss_{k}"], 6) for k in steps] if eval_values else None,
+        # acceptance.py: greedy chain drafting replayed on the eval split (null: its answers are not greedy ones)
+        "simulated_acceptance": simulated or None,
+        "simulated_acceptance_by_source": {source: {key: round(value, 6) for key, value in metrics.items()}
+                                           for source, metrics in (eval_by_source or {}).items()} or None,
     }

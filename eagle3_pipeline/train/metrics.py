@@ -4,7 +4,8 @@
                     and per step the packs it trained on: {"step", "split": "batch", "packs": [{"position",
                     "epoch", "samples"}, ...]}
     tensorboard/    the same scalars (`tensorboard --logdir <run_dir>/04_train/tensorboard`)
-    curves.png      loss and accuracy per TTT step against the optimizer step, drawn at the end
+    curves.png      loss and accuracy per TTT step against the optimizer step, and the simulated acceptance
+                    length per k (eval records' `al_k<k>`, acceptance.py), drawn at the end
 
 Accuracy at step k: the draft's top-1 equals the verifier's top-1 (both over the draft vocab) at the rows
 counted at step k, with the true tokens before it (teacher forcing): the chance that the draft's (k+1)-th
@@ -16,12 +17,15 @@ A resumed run first drops records past its checkpoint, so the files read as one 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
+
+AL_KEY = re.compile(r"al_k\d+")  # simulated mean acceptance length at k (acceptance.py); al_k3_pos1 etc. per position
 
 
 def summarize(stats: torch.Tensor) -> dict[str, float]:
@@ -84,7 +88,16 @@ class MetricsLog:
         matplotlib.use("Agg")  # no display on training nodes
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        simulated = sorted({key for r in self.records if r["split"] == "eval" for key in r if AL_KEY.fullmatch(key)})
+        fig, axes = plt.subplots(1, 3 if simulated else 2, figsize=(18 if simulated else 12, 4.5))
+        for key in simulated:  # acceptance.py: what vLLM would measure, from the eval forward
+            axes[2].plot(*zip(*[(r["step"], r[key]) for r in self.records if key in r]), "o-",
+                         label=f"simulated, {key.removeprefix('al_')}")
+        if simulated:
+            axes[2].set_xlabel("optimizer step")
+            axes[2].set_ylabel("mean acceptance length (greedy chain)")
+            axes[2].grid(alpha=0.3)
+            axes[2].legend(fontsize=8)
         for ax, metric in zip(axes, ("loss", "acc")):
             for k in range(ttt_steps):
                 color = f"C{k}"

@@ -53,7 +53,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], accelerat
         last = index == len(micro_batches) - 1
         # Gradients are all-reduced once per step, on the last micro-batch.
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
-            loss, batch_stats = model(**batch, ttt_steps=ttt_steps, step_weights=step_weights)
+            loss, batch_stats, _ = model(**batch, ttt_steps=ttt_steps, step_weights=step_weights)
             accelerator.backward(loss / len(micro_batches))
         stats = stats + batch_stats.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)

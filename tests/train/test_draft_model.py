@@ -97,7 +97,7 @@ def step_logits(model, batch, ttt_steps=3):
     """The draft's logits at every TTT step (captured from lm_head)."""
     captured = []
     handle = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    loss, stats = model(**batch, ttt_steps=ttt_steps, step_weights=[1.0] * ttt_steps)
+    loss, stats, _ = model(**batch, ttt_steps=ttt_steps, step_weights=[1.0] * ttt_steps)
     handle.remove()
     return captured, loss, stats
 
@@ -172,7 +172,7 @@ def test_step_k_counts_rows_whose_target_is_k_rows_on_in_the_same_document():
 
 def test_loss_trains_fc_layer_norm_and_lm_head_only():
     model = tiny_model()
-    loss, _ = model(**packed([12], 16), ttt_steps=2, step_weights=[1.0, 0.5])
+    loss, _, _ = model(**packed([12], 16), ttt_steps=2, step_weights=[1.0, 0.5])
     loss.backward()
     with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
     assert with_grad == {name for name, p in model.named_parameters() if p.requires_grad}

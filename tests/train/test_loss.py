@@ -48,7 +48,7 @@ def test_draft_with_chunked_loss_equals_the_plain_loss():
     for chunk_rows in (None, 5):
         model = tiny_model()
         model.loss_chunk_rows = chunk_rows
-        loss, stats = model(**batch, ttt_steps=3, step_weights=[1.0, 0.7, 0.4])
+        loss, stats, _ = model(**batch, ttt_steps=3, step_weights=[1.0, 0.7, 0.4])
         loss.backward()
         results.append((loss, stats, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (plain_loss, plain_stats, plain_grads), (loss, stats, grads) = results
