@@ -102,6 +102,10 @@ class RegenerateConfig(Section):
 
     enabled: bool = Field(True, description="false: keep the sources' answers (magpie answers are still generated)")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="sampling temperature of the answers; 0 = greedy")
+    eval_temperature: float = Field(
+        0.0, ge=0.0, le=2.0, description="the same for the eval conversations' answers; 0 (greedy) is what 06 "
+        "serves, and lets 04 simulate vLLM's acceptance on them"
+    )
     max_tokens: int = Field(512, ge=1, description="longest generated answer in tokens")
     thinking: bool = Field(
         True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
@@ -310,6 +314,10 @@ class ValidateConfig(Section):
     )
     compare_without_speculation: bool = Field(
         True, description="also run the prompts without speculation and count identical greedy outputs (one more engine start)"
+    )
+    max_tie_margin: float = Field(
+        0.5, ge=0, description="a greedy output the draft changed is a bf16 near-tie when the target's logit margin "
+        "between the two tokens is at most this (reported); a larger margin fails the stage"
     )
 
 

@@ -47,9 +47,9 @@ def run(config: RunConfig, force: bool = False) -> None:
           f"{skips.summary() or 'none'}")
     stage.begin()
 
-    with stage.timed("generate"):
-        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips)
     eval_ids = {c.id for c in held_out}
+    with stage.timed("generate"):
+        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips, eval_ids)
     train = [c for c in conversations if c.id not in eval_ids]
     held_out = [c for c in conversations if c.id in eval_ids]
 

@@ -40,8 +40,9 @@ CHUNK_DIR = "generated"
 
 
 def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, model_dir: Path,
-                   conversations: list[Conversation], skips: Skips) -> list[Conversation]:
-    """`conversations` with every turn the target writes written; those that failed are moved to `skips`."""
+                   conversations: list[Conversation], skips: Skips, eval_ids: set[str]) -> list[Conversation]:
+    """`conversations` with every turn the target writes written (the answers of `eval_ids` at
+    `data.regenerate.eval_temperature`); those that failed are moved to `skips`."""
     regenerate = config.data.regenerate
     todo = [c for c in conversations if c.magpie is not None or regenerate.enabled]
     chunks = [todo[i: i + regenerate.chunk_size] for i in range(0, len(todo), regenerate.chunk_size)]
@@ -53,7 +54,7 @@ def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, mode
     if missing:
         llm = start_engine(config.target, model_dir)
         for k in tqdm(missing, desc="generated chunks", unit="chunk"):
-            records = _generate_chunk(llm, template, chunks[k], config)
+            records = _generate_chunk(llm, template, chunks[k], config, eval_ids)
             with stage.atomic(f"{CHUNK_DIR}/{paths[k].name}") as tmp:
                 tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
         del llm  # frees the engine's memory before tokenization
@@ -127,7 +128,8 @@ class Rewrite:
         return {"id": self.conversation.id, "messages": self.messages}
 
 
-def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], config: RunConfig) -> list[dict]:
+def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], config: RunConfig,
+                    eval_ids: set[str]) -> list[dict]:
     rewrites = [Rewrite(c) for c in chunk]
     user_prefix = template.user_prefix_ids()
     magpie = [(r, user_prefix, r.conversation.magpie) for r in rewrites if r.conversation.magpie is not None]
@@ -135,9 +137,12 @@ def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], conf
         user_turn = output.text.strip()
         rewrite.messages.append({"role": "user", "content": user_turn})
         rewrite.skip = None if user_turn else "empty_generation"
+    regenerate = config.data.regenerate
+    answers = {False: regenerate, True: regenerate.model_copy(update={"temperature": regenerate.eval_temperature})}
     turn = 0
     while waiting := [r for r in rewrites if not r.skip and r.needs_answer()]:
-        requests = [(r, ids, config.data.regenerate) for r in waiting if (ids := _prompt_ids(template, r)) is not None]
+        requests = [(r, ids, answers[r.conversation.id in eval_ids]) for r in waiting
+                    if (ids := _prompt_ids(template, r)) is not None]
         for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}"):
             rewrite.add_answer(template, output.text, finished=output.finish_reason == "stop")
         turn += 1

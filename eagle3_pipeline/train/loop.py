@@ -79,7 +79,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     float_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else torch.float32
     progress = tqdm(total=train.max_steps, initial=start_step, disable=not accelerator.is_main_process,
                     desc="04_train", dynamic_ncols=True)
-    eval_values = eval_by_source = None
+    eval_values = None
     for step in range(start_step + 1, train.max_steps + 1):  # step = optimizer steps done after this one
         try:
             packs = meter.wait_for(lambda: [next(train_batches) for _ in range(train.grad_accumulation)])
@@ -101,7 +101,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             progress.set_postfix(loss=f"{values['loss_0']:.3f}", acc0=f"{values['acc_0']:.3f}",
                                  tok_s=f"{values['tokens_per_s']:.0f}")
         if inputs.eval_rows is not None and (step % train.eval_every == 0 or step == train.max_steps):
-            eval_values, eval_by_source = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
+            eval_values = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
             log.log(step, "eval", eval_values)
         if step % train.checkpoint_every == 0 or step in (train.max_steps, stop_at_step):
             checkpoint(stage, step, model, optimizer, scheduler, accelerator, packs_per_step, train)
@@ -112,14 +112,14 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             return
     progress.close()
     if eval_values is None and inputs.eval_rows is not None:  # resumed at the last step: nothing was left
-        eval_values, eval_by_source = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
+        eval_values = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
 
     log.plot(stage.path("curves.png"), train.ttt_steps)
     log.close()
     if accelerator.is_main_process:
         if inputs.consumer:
             inputs.consumer.finish(end, packs_per_step, train.max_steps)
-        stage.finish(counts=final_counts(eval_values, eval_by_source, meter, train), extra={
+        stage.finish(counts=final_counts(eval_values, meter, train), extra={
             "final_checkpoint": f"checkpoints/step_{train.max_steps}",
             "aux_layer_ids": inputs.layout["aux_layer_ids"],
         })
@@ -193,7 +193,8 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
 
     shape = {"capacity": config.train.packed_length, "hidden_size": layout["hidden_size"],
              "aux_width": len(layout["aux_layer_ids"]) * layout["hidden_size"]}
-    has_eval = "eval" in splits and len(splits["eval"]) > 0
+    # eval rows of prompts alone (regeneration off) are 06's to serve; 04 evaluates what has loss tokens
+    has_eval = "eval" in splits and any(any(mask) for mask in splits["eval"]["loss_mask"])
     eval_samples = served_samples(splits["eval"]) if has_eval else []
     return Inputs(
         train_rows=StreamedRows(splits["train"], states_dir, **shape, consumer=consumer, layout=layout) if consumer
@@ -208,7 +209,7 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
 
 def greedy_answers(config: RunConfig) -> bool:
     """Whether the eval answers are the target's greedy continuations (what acceptance.py replays)."""
-    return config.data.regenerate.enabled and config.data.regenerate.temperature == 0
+    return config.data.regenerate.enabled and config.data.regenerate.eval_temperature == 0
 
 
 def served_samples(split) -> list[dict]:
@@ -351,7 +352,7 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
               f"validate.max_tokens {config.validate_.max_tokens} tokens each")
     elif inputs.eval_rows is not None:
         print("04_train: eval does not simulate acceptance: the eval answers are not the target's greedy ones "
-              "(data.regenerate enabled at temperature 0 makes them so)")
+              "(data.regenerate enabled at eval_temperature 0 makes them so)")
     print(f"04_train: draft {trainable / 1e6:.1f} M trainable + {frozen / 1e6:.1f} M frozen parameters, "
           f"{per_token / 1e9:.2f} GFLOP per token at {train.ttt_steps} TTT steps (+ attention), "
           f"precision {train.mixed_precision}")
@@ -404,9 +405,10 @@ class Throughput:
 
 @torch.no_grad()
 def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights,
-             float_dtype) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+             float_dtype) -> dict[str, float]:
     """Loss and accuracy per TTT step over the whole eval split (each process a share), and the acceptance
-    vLLM would measure, simulated at each k of `inputs.simulated_ks` (acceptance.py): (values, per source)."""
+    vLLM would measure, simulated at each k of `inputs.simulated_ks` (acceptance.py): `al_k<k>` and
+    `al_k<k>_pos<i>` over all served turns, the same with `/<eval source>` appended per source."""
     train, ks = config.train, inputs.simulated_ks
     steps = max([train.ttt_steps, *ks])  # a k past the trained steps unrolls the chain further, loss-free
     weights = [*step_weights, *[0.0] * (steps - train.ttt_steps)]
@@ -430,20 +432,19 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
                                chains[turn.source, k])
     values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"))
     if not ks:
-        return values, {}
+        return values
     summed = accelerator.reduce(torch.stack([c.as_tensor() for c in chains.values()]).to(accelerator.device), "sum")
     chains = {key: ChainCounts.from_tensor(key[1], row.cpu()) for key, row in zip(chains, summed)}
-    by_source = {source: {} for source in sources}
     for k in ks:
         overall = ChainCounts(k)
         for source in sources:
-            by_source[source] |= chains[source, k].metrics()
+            values |= {f"{key}/{source}": value for key, value in chains[source, k].metrics().items()}
             overall = overall + chains[source, k]
         values |= overall.metrics()
-    return values, by_source
+    return values
 
 
-def final_counts(eval_values: dict | None, eval_by_source: dict | None, meter: Throughput, train) -> dict:
+def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:
     steps = range(train.ttt_steps)
     simulated = {key: round(value, 6) for key, value in (eval_values or {}).items() if key.startswith("al_k")}
     return {
@@ -453,6 +454,4 @@ def final_counts(eval_values: dict | None, eval_by_source: dict | None, meter: T
         "eval_loss": [round(eval_values[f"loss_{k}"], 6) for k in steps] if eval_values else None,
         # acceptance.py: greedy chain drafting replayed on the eval split (null: its answers are not greedy ones)
         "simulated_acceptance": simulated or None,
-        "simulated_acceptance_by_source": {source: {key: round(value, 6) for key, value in metrics.items()}
-                                           for source, metrics in (eval_by_source or {}).items()} or None,
     }

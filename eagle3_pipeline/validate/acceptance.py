@@ -1,8 +1,9 @@
 """vLLM serving the target with the exported draft: acceptance counters, loaded weights, greedy outputs.
 
 One engine per setting (k speculative tokens, or none), started with the run's engine settings
-(`engine.start_engine`), fed the eval prompts as token ids, greedy. vLLM's spec-decode counters
-(`LLM(disable_log_stats=False)`, `llm.get_metrics()`) give the acceptance:
+(`engine.start_engine`), fed the eval prompts as token ids, greedy, one eval source after the other. vLLM's
+spec-decode counters (`LLM(disable_log_stats=False)`, `llm.get_metrics()`), read after each source, give the
+acceptance per source and overall:
 
     mean acceptance length   1 + accepted / drafts          (tokens per target forward pass)
     acceptance at position i accepted_per_pos[i] / drafts   (draft token i+1 accepted, the ones before it too)
@@ -23,19 +24,22 @@ from eagle3_pipeline.export_format import speculative_config
 from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One served turn of 01's eval split."""
+
+    source: str  # the eval source's label (01's `source` column)
+    token_ids: list[int]
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-@dataclass
-class EngineRun:
-    num_speculative_tokens: int  # 0: no speculation
-    outputs: list[list[int]]  # generated token ids per prompt
-    seconds: float
-    counters: dict[str, int] = field(default_factory=dict)
-    accepted_per_position: list[int] = field(default_factory=list)
-    skipped_parameters: list[str] = field(default_factory=list)
-    ignored_tensors: list[str] = field(default_factory=list)
-    shared_parameters: list[str] = field(default_factory=list)
+class Acceptance:
+    """What vLLM's counters say, for a class with `counters` and `accepted_per_position`."""
+
+    counters: dict[str, int]
+    accepted_per_position: list[int]
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -46,36 +50,121 @@ class EngineRun:
         drafts = max(self.counters["num_drafts"], 1)
         return [accepted / drafts for accepted in self.accepted_per_position]
 
+
+@dataclass
+class SourceCounts(Acceptance):
+    """The spec-decode counters of one eval source's prompts (the difference of two readings)."""
+
+    counters: dict[str, int]
+    accepted_per_position: list[int]
+    prompts: int
+
+
+@dataclass
+class Divergence:
+    """Where a greedy output with the draft first differs from the one without it, and the target's margin there."""
+
+    prompt: int  # index into the eval prompts
+    source: str
+    position: int  # first differing generated token
+    without_draft: int  # the token each run wrote there
+    with_draft: int
+    # log p(without_draft) - log p(with_draft) at that position, from a fresh prefill of the common prefix (a logit
+    # difference); a token outside the top MAX_LOGPROBS counts at the lowest of them (margin_exact false)
+    margin: float
+    margin_exact: bool
+
+
+@dataclass
+class EngineRun(Acceptance):
+    num_speculative_tokens: int  # 0: no speculation
+    outputs: list[list[int]]  # generated token ids per prompt
+    seconds: float
+    counters: dict[str, int] = field(default_factory=dict)
+    accepted_per_position: list[int] = field(default_factory=list)
+    by_source: dict[str, SourceCounts] = field(default_factory=dict)
+    divergences: list[Divergence] = field(default_factory=list)  # against the run without speculation
+    skipped_parameters: list[str] = field(default_factory=list)
+    ignored_tensors: list[str] = field(default_factory=list)
+    shared_parameters: list[str] = field(default_factory=list)
+
     @property
     def generated_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.outputs)
 
 
-def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_dir: Path | None, k: int) -> EngineRun:
-    """Generate greedily for every prompt, with the draft at k tokens (or without speculation when k == 0)."""
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the divergence probe's top tokens
+
+
+def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_dir: Path | None, k: int,
+          compare_with: list[EngineRun] = ()) -> EngineRun:
+    """Generate greedily for every prompt, with the draft at k tokens (or without speculation when k == 0),
+    one eval source after the other so that each has its own counters; for each run in `compare_with`, find
+    where its outputs first differ from these and probe the target's margin there (`Divergence`)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     settings = {}
     if k:
         settings = {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": PROBE}
     llm = start_engine(config.target, model_dir, disable_log_stats=False, **settings)
     try:
-        run = EngineRun(k, [], 0.0)
+        run = EngineRun(k, [[] for _ in prompts], 0.0)
         if k:
             record_weights(run, llm.collective_rpc(REPORT))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
-        started = time.perf_counter()
-        results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
-        run.seconds = time.perf_counter() - started
-        run.outputs = [list(result.outputs[0].token_ids) for result in results]
-        if k:
-            read_counters(run, llm.get_metrics())
+        before = read_counters(llm.get_metrics(), k)
+        for source in dict.fromkeys(p.source for p in prompts):
+            indices = [i for i, p in enumerate(prompts) if p.source == source]
+            started = time.perf_counter()
+            for i, tokens in zip(indices, generate(llm, [prompts[i].token_ids for i in indices], params)):
+                run.outputs[i] = tokens
+            run.seconds += time.perf_counter() - started
+            after = read_counters(llm.get_metrics(), k)
+            run.by_source[source] = SourceCounts({name: after[0][name] - before[0][name] for name in COUNTERS},
+                                                 [a - b for a, b in zip(after[1], before[1])], len(indices))
+            before = after
+        run.counters = {name: sum(c.counters[name] for c in run.by_source.values()) for name in COUNTERS}
+        run.accepted_per_position = [sum(pos) for pos in zip(*(c.accepted_per_position for c in run.by_source.values()))]
+        for other in compare_with:
+            other.divergences = probe_divergences(llm, prompts, run.outputs, other.outputs)
         return run
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def generate(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    from vllm.inputs import TokensPrompt
+
+    results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    return [list(result.outputs[0].token_ids) for result in results]
+
+
+def probe_divergences(llm, prompts: list[EvalPrompt], plain: list[list[int]],
+                      drafted: list[list[int]]) -> list[Divergence]:
+    """Each prompt whose drafted output differs from the plain one: the first differing position and the
+    target's log-probability margin between the two tokens there, on the common prefix."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    found = []
+    for index, (a, b) in enumerate(zip(plain, drafted)):
+        position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if position is not None:
+            found.append((index, position, a[position], b[position]))
+    if not found:
+        return []
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=MAX_LOGPROBS)
+    requests = [TokensPrompt(prompt_token_ids=prompts[i].token_ids + plain[i][:position]) for i, position, _, _ in found]
+    divergences = []
+    for (index, position, without, with_draft), result in zip(found, llm.generate(requests, params, use_tqdm=False)):
+        logprobs = {token: lp.logprob for token, lp in result.outputs[0].logprobs[0].items()}
+        floor = min(logprobs.values())  # a token outside the top ones has at most this
+        margin = logprobs.get(without, floor) - logprobs.get(with_draft, floor)
+        divergences.append(Divergence(index, prompts[index].source, position, without, with_draft, margin,
+                                      margin_exact=without in logprobs and with_draft in logprobs))
+    return divergences
 
 
 def record_weights(run: EngineRun, reports: list[dict]) -> None:
@@ -87,14 +176,15 @@ def record_weights(run: EngineRun, reports: list[dict]) -> None:
         run.shared_parameters = sorted(set(run.shared_parameters) | set(report["shared"]))
 
 
-def read_counters(run: EngineRun, metrics: list) -> None:
-    """The spec-decode counters of this engine (summed over label sets, e.g. engines)."""
+def read_counters(metrics: list, k: int) -> tuple[dict[str, int], list[int]]:
+    """The spec-decode counters of an engine so far (summed over label sets, e.g. engines): (counters,
+    accepted per position)."""
     counters = dict.fromkeys(COUNTERS, 0)
-    per_position = [0] * run.num_speculative_tokens
+    per_position = [0] * k
     for metric in metrics:
         name = metric.name.removeprefix("vllm:spec_decode_")
         if name in counters:
             counters[name] += int(metric.value)
         elif metric.name == PER_POSITION:
             per_position = [a + int(b) for a, b in zip(per_position, metric.values)]
-    run.counters, run.accepted_per_position = counters, per_position
+    return counters, per_position

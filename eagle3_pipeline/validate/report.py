@@ -30,6 +30,37 @@ def acceptance_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def benchmark_table(report: dict) -> str:
+    """Mean acceptance length per eval source (columns) and k, measured by vLLM and simulated by 04 (rows): the
+    shape of the published draft tables."""
+    sources = list(report["by_source"])
+    rows = ["| k | measured by | " + " | ".join(f"{s} ({report['by_source'][s]['prompts']})" for s in sources) + " | all |",
+            "|---|---|" + "---|" * (len(sources) + 1)]
+    for index, run in enumerate(report["runs"]):
+        cells = [report["by_source"][s]["runs"][index] for s in sources]
+        rows.append(f"| {run['num_speculative_tokens']} | vLLM | " + " | ".join(
+            f"{c['mean_acceptance_length']:.3f}" for c in cells) + f" | {run['mean_acceptance_length']:.3f} |")
+        simulated = [c["simulated_mean_acceptance_length"] for c in cells]
+        if any(value is not None for value in simulated):
+            overall = run["simulated_mean_acceptance_length"]
+            rows.append(f"| {run['num_speculative_tokens']} | 04 simulated | " + " | ".join(
+                "-" if v is None else f"{v:.3f}" for v in simulated) + f" | {'-' if overall is None else f'{overall:.3f}'} |")
+    return "\n".join(rows)
+
+
+def divergence_table(report: dict) -> str:
+    rows = ["| k | eval prompt | source | token | without draft | with draft | target's logit margin | verdict |",
+            "|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for d in run["divergences"]:
+            near_tie = d["margin_exact"] and abs(d["margin"]) <= report["max_tie_margin"]
+            margin = f"{d['margin']:.3f}" if d["margin_exact"] else f">= {d['margin']:.3f}"
+            rows.append(f"| {run['num_speculative_tokens']} | {d['prompt']} | {d['source']} | {d['position']} | "
+                        f"{d['without_draft']} | {d['with_draft']} | {margin} | "
+                        f"{'bf16 near-tie' if near_tie else 'changed by the draft'} |")
+    return "\n".join(rows) if len(rows) > 2 else "none: every greedy output is the same with and without the draft"
+
+
 def write_reports(folder: Path, report: dict) -> None:
     write_json_atomic(folder / "report.json", report)
     with atomic_path(folder / "report.md") as tmp:
@@ -47,7 +78,13 @@ def markdown(report: dict) -> str:
         lines += ["## Acceptance in vLLM (eval prompts, greedy)", "", acceptance_table(report), "",
                   (f"{report['prompts']} prompts, up to {report['max_tokens']} tokens each. Eval step-0 accuracy "
                    f"from 04_train: {report['eval_step0_accuracy']}; first-position acceptance must reach "
-                   f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", ""]
+                   f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", "",
+                  "## Mean acceptance length per eval source", "", benchmark_table(report), "",
+                  "04 simulated: greedy chain drafting replayed on 01's greedy answers by 04's last eval "
+                  "(eagle3_pipeline/train/acceptance.py).", "",
+                  "## Greedy outputs that differ with the draft", "", divergence_table(report),
+                  "", f"A bf16 near-tie: the target's margin between the two tokens is at most validate.max_tie_margin "
+                  f"({report['max_tie_margin']}) on a fresh prefill of the common prefix.", ""]
     lines += ["## Serving", "", "```", report["serving_command"], "```", ""]
     return "\n".join(lines)
 
@@ -79,5 +116,8 @@ def print_summary(report: dict) -> None:
                                               "num_speculative_tokens", "greedy_identical_fraction")}))
     if report["runs"]:
         print(acceptance_table(report))
+        print(benchmark_table(report))
+        if any(run["divergences"] for run in report["runs"]):
+            print(divergence_table(report))
     print(f"serve it with:\n  {report['serving_command']}")
     print(f"06_validate: {report['verdict']}" + "".join(f"\n  - {p}" for p in report["problems"]))

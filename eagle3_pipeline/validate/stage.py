@@ -3,10 +3,11 @@
     static    each export folder against the spec the config implies (for Kimi: the AQ-MedAI reference's):
               every tensor name, shape, dtype and config field, d2t/t2d values; differences classified
               (compare.py). Any breaking one fails the stage before an engine starts.
-    dynamic   vLLM with the target and the draft on 01's eval prompts, once per k: acceptance counters and
-              the draft parameters vLLM loaded (weights_probe.py); once without speculation, for greedy
-              outputs to compare. A train/serve mismatch (position-1 acceptance far below 04's eval step-0
-              accuracy) or a parameter vLLM did not load fails the stage.
+    dynamic   vLLM with the target and the draft on 01's eval prompts, once per k: acceptance counters per eval
+              source and the draft parameters vLLM loaded (weights_probe.py); once without speculation, for
+              greedy outputs to compare. A train/serve mismatch (position-1 acceptance far below 04's eval
+              step-0 accuracy), a parameter vLLM did not load, or a greedy output the draft changed where the
+              target's margin is no bf16 near-tie (validate.max_tie_margin) fails the stage.
 
 Writes report.json, report.md, acceptance.png; the manifest only when everything passed (a failed check
 stays failed on rerun). `check` is the static comparison alone, on any folder or spec.json.
@@ -14,14 +15,15 @@ stays failed on rerun). `check` is the static comparison alone, on any folder or
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
-from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config import RunConfig, ValidateConfig
 from eagle3_pipeline.engine import serving_command
 from eagle3_pipeline.export_format import Spec, read_spec, reference_spec, spec_format
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.validate.acceptance import EngineRun, serve
+from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, serve
 from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
 
@@ -49,16 +51,17 @@ def run(config: RunConfig, force: bool = False) -> None:
 
     # 2. Dynamic: the first exported format served by vLLM, once per k, then once without speculation.
     served = export_dir / exported["formats"][0]
-    step0 = (exported.get("eval_metrics") or {}).get("eval_accuracy", [None])[0]
+    eval_metrics = exported.get("eval_metrics") or {}
+    step0 = eval_metrics.get("eval_accuracy", [None])[0]
     runs, plain, prompts = [], None, []
     if not problems:
         prompts = eval_prompts(config)
         runs, plain = serve_all(stage, config, served, prompts)
-        problems += dynamic_problems(runs, step0, config.validate_.min_acceptance_ratio)
+        problems += dynamic_problems(runs, step0, config.validate_)
     else:
         print("06_validate: breaking differences: vLLM not started")
 
-    report = build_report(config, served, static, runs, plain, len(prompts), step0, problems)
+    report = build_report(config, served, static, runs, plain, prompts, eval_metrics, problems)
     write_reports(stage.dir, report)
     print_summary(report)
     if problems:
@@ -95,8 +98,9 @@ def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
     return Spec(recorded["config"], recorded["tensors"])
 
 
-def eval_prompts(config: RunConfig) -> list[list[int]]:
-    """01's eval split, templated prompts (`prompt_ids`), the first `validate.max_prompts`."""
+def eval_prompts(config: RunConfig) -> list[EvalPrompt]:
+    """01's eval split, templated prompts (`prompt_ids`, one per served turn) with their source, the first
+    `validate.max_prompts`."""
     from datasets import load_from_disk
 
     data_dir = Path(config.run_dir) / "01_data"
@@ -106,10 +110,11 @@ def eval_prompts(config: RunConfig) -> list[list[int]]:
     if "prompt_ids" not in split.column_names or len(split) == 0:
         raise StageError(f"01_data has no eval prompts ({data_dir}/eval), and 06 measures acceptance on them: set "
                          "data.eval_sources or data.eval_fraction, then rerun the stages from 01_prepare_data.py --force")
-    return [list(ids) for ids in split["prompt_ids"][: config.validate_.max_prompts]]
+    chosen = split.select(range(min(len(split), config.validate_.max_prompts or len(split))))
+    return [EvalPrompt(source, list(ids)) for source, ids in zip(chosen["source"], chosen["prompt_ids"])]
 
 
-def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[list[int]]):
+def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[EvalPrompt]):
     """One engine per k with the draft, then one without speculation: (runs, plain or None)."""
     from patches import PatchError, require_applied
 
@@ -126,12 +131,12 @@ def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[list[
             runs.append(serve(config, model_dir, prompts, served, k))
     if config.validate_.compare_without_speculation:
         with stage.timed("vllm_without_speculation"):
-            plain = serve(config, model_dir, prompts, None, 0)
+            plain = serve(config, model_dir, prompts, None, 0, compare_with=runs)
     return runs, plain
 
 
-def dynamic_problems(runs: list[EngineRun], step0: float | None, ratio: float) -> list[str]:
-    problems = []
+def dynamic_problems(runs: list[EngineRun], step0: float | None, validate: ValidateConfig) -> list[str]:
+    problems, ratio = [], validate.min_acceptance_ratio
     for run in runs:
         tag = f"k={run.num_speculative_tokens}"
         if run.skipped_parameters:
@@ -142,13 +147,22 @@ def dynamic_problems(runs: list[EngineRun], step0: float | None, ratio: float) -
             problems.append(f"{tag}: train/serve mismatch: position-1 acceptance {run.acceptance_per_position[0]:.3f} "
                             f"< {ratio} x eval step-0 accuracy {step0:.3f} (check aux layer ids and their convention, "
                             "norm_before_residual, rope, d2t)")
+        for d in run.divergences:
+            if d.margin_exact and abs(d.margin) <= validate.max_tie_margin:
+                continue  # a bf16 near-tie: reported, not a failure
+            margin = (f"{d.margin:.3f} > validate.max_tie_margin {validate.max_tie_margin}" if d.margin_exact else
+                      f"at least {d.margin:.3f} (a token outside its top {MAX_LOGPROBS})")
+            problems.append(f"{tag}: the greedy output of eval prompt {d.prompt} ({d.source}) differs from the one "
+                            f"without the draft at token {d.position} ({d.with_draft} instead of {d.without_draft}) "
+                            f"where the target's logit margin is {margin}: the draft changed what the target writes")
     return problems
 
 
 def build_report(config: RunConfig, served: Path, static: dict[str, list[Difference]], runs: list[EngineRun],
-                 plain: EngineRun | None, prompts: int, step0: float | None, problems: list[str]) -> dict:
+                 plain: EngineRun | None, prompts: list[EvalPrompt], eval_metrics: dict, problems: list[str]) -> dict:
     first = runs[0] if runs else None
-    runs_json = [run_json(run, plain) for run in runs]
+    simulated = eval_metrics.get("simulated_acceptance") or {}
+    runs_json = [run_json(run, plain, simulated) for run in runs]
     return {
         "export": str(served),
         "verdict": "FAILED" if problems else "PASSED",
@@ -157,18 +171,38 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
         "mean_acceptance_length": first.mean_acceptance_length if first else None,
         "acceptance_per_position": first.acceptance_per_position if first else None,
         "greedy_identical_fraction": runs_json[0]["greedy_identical_fraction"] if runs_json else None,
-        "eval_step0_accuracy": step0,
+        "eval_step0_accuracy": eval_metrics.get("eval_accuracy", [None])[0],
         "min_acceptance_ratio": config.validate_.min_acceptance_ratio,
-        "prompts": prompts,
+        "max_tie_margin": config.validate_.max_tie_margin,
+        "prompts": len(prompts),
         "max_tokens": config.validate_.max_tokens,
         "runs": runs_json,
+        "by_source": by_source(prompts, runs, simulated),
         "without_speculation": {"tokens_per_s": plain.generated_tokens / plain.seconds} if plain else None,
         "static_differences": {fmt: [d.to_json() for d in ds] for fmt, ds in static.items()},
         "serving_command": serving_command(config, served, served.name, first.num_speculative_tokens if first else None),
     }
 
 
-def run_json(run: EngineRun, plain: EngineRun | None) -> dict:
+def by_source(prompts: list[EvalPrompt], runs: list[EngineRun], simulated: dict[str, float]) -> dict:
+    """Per eval source and k: vLLM's acceptance, and 04's simulated one (`al_k<k>/<source>` keys) where recorded."""
+    report = {}
+    for source in dict.fromkeys(p.source for p in prompts):
+        report[source] = {"prompts": sum(p.source == source for p in prompts), "runs": []}
+        for run in runs:
+            counts, k = run.by_source[source], run.num_speculative_tokens
+            report[source]["runs"].append({
+                "num_speculative_tokens": k,
+                "mean_acceptance_length": counts.mean_acceptance_length,
+                "acceptance_per_position": counts.acceptance_per_position,
+                "num_drafts": counts.counters["num_drafts"],
+                "simulated_mean_acceptance_length": simulated.get(f"al_k{k}/{source}"),
+                "simulated_acceptance_per_position": [simulated.get(f"al_k{k}_pos{i}/{source}") for i in range(1, k + 1)],
+            })
+    return report
+
+
+def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float]) -> dict:
     identical = speedup = None
     if plain is not None:
         identical = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / max(len(run.outputs), 1)
@@ -177,11 +211,14 @@ def run_json(run: EngineRun, plain: EngineRun | None) -> dict:
         "num_speculative_tokens": run.num_speculative_tokens,
         "mean_acceptance_length": run.mean_acceptance_length,
         "acceptance_per_position": run.acceptance_per_position,
+        "simulated_mean_acceptance_length": simulated.get(f"al_k{run.num_speculative_tokens}"),  # 04's eval
         "num_drafts": run.counters["num_drafts"],
         "num_draft_tokens": run.counters["num_draft_tokens"],
         "num_accepted_tokens": run.counters["num_accepted_tokens"],
         "accepted_per_position": run.accepted_per_position,
         "greedy_identical_fraction": identical,
+        # each prompt whose greedy output differs from the one without the draft (acceptance.Divergence)
+        "divergences": [asdict(d) for d in run.divergences],
         "tokens_per_s": run.generated_tokens / run.seconds,
         "speedup": speedup,  # tokens/s against the same prompts without speculation (wall clock, batched)
         "skipped_parameters": run.skipped_parameters,

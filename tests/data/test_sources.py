@@ -6,6 +6,7 @@ import gzip
 import json
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,3 +100,27 @@ def test_without_regeneration_the_first_question_stays_a_prompt_for_06(smollm2):
     # a training conversation without an answer teaches nothing: still skipped
     assert to_rows([conversation], smollm2, DATA, with_prompt=False, skips=skips, split="train") == []
     assert skips.counts == {"no_assistant_turn": 1}
+
+
+class RecordingEngine:
+    """Stands in for vLLM's LLM in generate.py: answers every prompt with a fixed text, records the params."""
+
+    def __init__(self):
+        self.temperatures: list[float] = []
+
+    def generate(self, prompts, params, use_tqdm):
+        self.temperatures += [p.temperature for p in params]
+        return [SimpleNamespace(outputs=[SimpleNamespace(text="An answer.", finish_reason="stop")]) for _ in prompts]
+
+
+def test_eval_answers_are_regenerated_at_the_eval_temperature(smollm2, demo_config):
+    from eagle3_pipeline.data.generate import _generate_chunk
+
+    train, eval_ = load_conversations(SourceConfig(kind="mtbench", limit=2), "mtbench", Skips())
+    config = demo_config.model_copy(update={"data": demo_config.data.model_copy(update={
+        "regenerate": demo_config.data.regenerate.model_copy(update={"temperature": 0.7, "eval_temperature": 0.0})})})
+    engine = RecordingEngine()
+    records = _generate_chunk(engine, smollm2, [train, eval_], config, eval_ids={eval_.id})
+    # two rounds (one answer per user turn), the train conversation's request first in each
+    assert engine.temperatures == [0.7, 0.0, 0.7, 0.0]
+    assert [m["role"] for m in records[1]["messages"]] == ["user", "assistant", "user", "assistant"]

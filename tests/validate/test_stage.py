@@ -1,9 +1,13 @@
-"""06's dynamic verdict from vLLM's counters: a skipped draft parameter, no drafts, a train/serve mismatch."""
+"""06's dynamic verdict from vLLM's counters: a skipped draft parameter, no drafts, a train/serve mismatch, a greedy
+output the draft changed."""
 
 from __future__ import annotations
 
-from eagle3_pipeline.validate.acceptance import EngineRun, read_counters
+from eagle3_pipeline.config import ValidateConfig
+from eagle3_pipeline.validate.acceptance import Divergence, EngineRun, read_counters
 from eagle3_pipeline.validate.stage import dynamic_problems
+
+VALIDATE = ValidateConfig(min_acceptance_ratio=0.5, max_tie_margin=0.5)
 
 
 class Metric:  # the fields of vllm.v1.metrics.reader's Counter / Vector that read_counters uses
@@ -12,15 +16,15 @@ class Metric:  # the fields of vllm.v1.metrics.reader's Counter / Vector that re
 
 
 def served(drafts: int, accepted_per_position: list[int], skipped: list[str] | None = None) -> EngineRun:
-    run = EngineRun(len(accepted_per_position), [[1, 2, 3]], 1.0, skipped_parameters=skipped or [])
-    read_counters(run, [
+    counters, per_position = read_counters([
         Metric("vllm:spec_decode_num_drafts", drafts),
         Metric("vllm:spec_decode_num_draft_tokens", drafts * len(accepted_per_position)),
         Metric("vllm:spec_decode_num_accepted_tokens", sum(accepted_per_position)),
         Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=accepted_per_position),
         Metric("vllm:prompt_tokens", 999),  # other counters are ignored
-    ])
-    return run
+    ], len(accepted_per_position))
+    return EngineRun(len(accepted_per_position), [[1, 2, 3]], 1.0, counters=counters,
+                     accepted_per_position=per_position, skipped_parameters=skipped or [])
 
 
 def test_acceptance_figures_from_the_counters():
@@ -30,17 +34,33 @@ def test_acceptance_figures_from_the_counters():
 
 
 def test_a_healthy_run_has_no_problems():
-    assert dynamic_problems([served(100, [40, 20, 10])], step0=0.45, ratio=0.5) == []
+    assert dynamic_problems([served(100, [40, 20, 10])], step0=0.45, validate=VALIDATE) == []
 
 
 def test_first_position_far_below_the_eval_accuracy_is_a_mismatch():
-    problems = dynamic_problems([served(100, [10, 2, 0])], step0=0.45, ratio=0.5)
+    problems = dynamic_problems([served(100, [10, 2, 0])], step0=0.45, validate=VALIDATE)
     assert len(problems) == 1
     assert problems[0].startswith("k=3: train/serve mismatch: position-1 acceptance 0.100 < 0.5 x eval step-0 "
                                   "accuracy 0.450")
 
 
 def test_skipped_parameters_and_no_drafts_fail():
-    problems = dynamic_problems([served(0, [0, 0, 0], skipped=["model.fc.weight"])], step0=None, ratio=0.5)
+    problems = dynamic_problems([served(0, [0, 0, 0], skipped=["model.fc.weight"])], step0=None, validate=VALIDATE)
     assert problems == ["k=3: vLLM did not load these draft parameters from the export: ['model.fc.weight']",
                         "k=3: vLLM proposed no drafts: speculation did not run"]
+
+
+def test_a_changed_greedy_output_fails_unless_the_target_was_near_a_tie():
+    run = served(100, [40, 20, 10])
+    run.divergences = [Divergence(3, "mtbench", 7, 11, 12, margin=0.25, margin_exact=True)]
+    assert dynamic_problems([run], step0=0.45, validate=VALIDATE) == []  # a bf16 near-tie: reported, not failed
+    run.divergences = [Divergence(3, "mtbench", 7, 11, 12, margin=1.5, margin_exact=True),
+                       Divergence(4, "humaneval", 0, 11, 12, margin=0.1, margin_exact=False)]
+    problems = dynamic_problems([run], step0=0.45, validate=VALIDATE)
+    assert problems == [
+        "k=3: the greedy output of eval prompt 3 (mtbench) differs from the one without the draft at token 7 (12 "
+        "instead of 11) where the target's logit margin is 1.500 > validate.max_tie_margin 0.5: the draft changed "
+        "what the target writes",
+        "k=3: the greedy output of eval prompt 4 (humaneval) differs from the one without the draft at token 0 (12 "
+        "instead of 11) where the target's logit margin is at least 0.100 (a token outside its top 20): the draft "
+        "changed what the target writes"]

@@ -83,6 +83,22 @@ def test_demo_draft_is_accepted_and_keeps_smollm2s_greedy_outputs(validated_demo
     assert report["serving_command"] in (config.run_dir / "06_validate" / "report.md").read_text()
 
 
+@pytest.mark.vllm
+def test_04s_simulated_acceptance_predicts_vllms_within_3_percent(validated_demo):
+    """04's eval replays greedy chain drafting on the held-out answers (train/acceptance.py); vLLM measures it."""
+    config, report = validated_demo
+    run = report["runs"][0]
+    simulated, measured = run["simulated_mean_acceptance_length"], run["mean_acceptance_length"]
+    print(f"\nk=3: simulated {simulated:.4f}, vLLM {measured:.4f} ({(simulated - measured) / measured:+.2%}); per "
+          f"position vLLM {[round(r, 3) for r in run['acceptance_per_position']]}, simulated "
+          f"{report['by_source']['fabricated']['runs'][0]['simulated_acceptance_per_position']}")
+    assert abs(simulated - measured) <= 0.03 * measured
+    per_source = report["by_source"]["fabricated"]
+    assert per_source["prompts"] == DEMO_HELD_OUT and per_source["runs"][0]["mean_acceptance_length"] == measured
+    table = (config.run_dir / "06_validate" / "report.md").read_text()
+    assert f"| 3 | vLLM | {measured:.3f} | {measured:.3f} |" in table and f"| 3 | 04 simulated | {simulated:.3f} |" in table
+
+
 # The printed serving command, run as a user pastes it: a few held-out prompts through the openai client.
 SERVER_START_TIMEOUT_S = 300  # SmolLM2 with the draft starts in about a minute on 2 busy cores
 CHAT_PROMPTS, CHAT_MAX_TOKENS = 3, 24
