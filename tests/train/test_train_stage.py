@@ -145,3 +145,10 @@ def test_demo_draft_learns_the_smollm2_target(tmp_path, smollm2_dir):
     assert (train_dir / "curves.png").stat().st_size > 10_000 and any((train_dir / "tensorboard").iterdir())
     assert manifest["final_checkpoint"] == "checkpoints/step_24"
     assert (train_dir / manifest["final_checkpoint"] / "model.safetensors").is_file()
+    # the simulated acceptance of the 8 held-out chats (acceptance.py), overall and for their one source
+    simulated = manifest["counts"]["simulated_acceptance"]
+    assert 1 < simulated["al_k3"] == simulated["al_k3/fabricated"] < 4
+    assert simulated["al_k3_pos1"] >= simulated["al_k3_pos2"] >= simulated["al_k3_pos3"]
+    assert simulated["al_k3"] == pytest.approx(1 + sum(simulated[f"al_k3_pos{i}"] for i in (1, 2, 3)))
+    evals = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["split"] == "eval" and "al_k3" in r] == [12, 24]
