@@ -48,6 +48,18 @@ def text_config(model_dir: Path) -> dict:
     return config.get("text_config", config)
 
 
+# config.json keys naming the token a chat template writes per image (Kimi-K2.5's, then other VLMs')
+IMAGE_TOKEN_KEYS = ("media_placeholder_token_id", "image_token_id", "image_token_index")
+
+
+def image_token_id(model_dir: Path) -> int | None:
+    """The id of the placeholder token vLLM expands into an image's embeddings; None for a text-only target."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" not in config:
+        return None
+    return next((config[key] for key in IMAGE_TOKEN_KEYS if isinstance(config.get(key), int)), None)
+
+
 def is_mla(text: dict) -> bool:
     """Multi-head latent attention (DeepSeek-V3, Kimi): vLLM's own rule, a `kv_lora_rank` that is set."""
     return text.get("kv_lora_rank") is not None

@@ -251,3 +251,18 @@ def test_a_remote_code_tokenizer_without_trust_remote_code_is_a_one_line_config_
     assert result.code == 2 and result.error_line().startswith("config error: target ")
     assert "tokenization_kimi.TikTokenTokenizer in tokenizer_config.json's auto_map" in result.error_line()
     assert "target.trust_remote_code: true" in result.error_line()
+
+
+def test_a_text_only_target_skips_image_conversations_by_reason(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(tmp_path / "red.png")
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
+                                                       {"type": "image_url", "image_url": {"url": str(tmp_path / "red.png")}}]},
+                          {"role": "assistant", "content": "Red."}]}
+    data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, image])
+    result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["mixed-1"]}}
+    assert stats["train"]["samples"] == 1 and stats["train"]["image_tokens"] == 0
