@@ -302,7 +302,7 @@ def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -
     clock.phase("shared teacher-forced eval", time.perf_counter() - started)
 
 
-def measure(args, clock: Clock, record: dict, k: int, config, prompts: list[list[int]]) -> dict:
+def measure(args, clock: Clock, record: dict, k: int, config, prompts: list[tuple[list[int], list[bytes]]]) -> dict:
     from eagle3_pipeline.target import target_path
     from eagle3_pipeline.validate.acceptance import serve
 

@@ -24,12 +24,11 @@ from packaging.version import Version
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
-from eagle3_pipeline.target import image_token_id, is_mla
-from eagle3_pipeline.vision import Vision, request
+from eagle3_pipeline.target import is_mla
+from eagle3_pipeline.vision import Prompt, Vision, request
 
 FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
 CapturedStates = tuple[torch.Tensor, torch.Tensor]
-Prompt = tuple[list[int], list[bytes]]  # token ids (image placeholders expanded), image file bytes
 
 
 class Capturer(Protocol):
@@ -76,11 +75,6 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
     return WorkerExtensionCapturer(config, model_dir, aux_layer_ids)
 
 
-def _engine_vision(llm, model_dir: Path) -> Vision | None:
-    token_id = image_token_id(model_dir)
-    return None if token_id is None else Vision.of_engine(llm, token_id)
-
-
 def _prompts(prompts: list[Prompt], vision: Vision | None):
     from vllm import SamplingParams
 
@@ -104,7 +98,7 @@ class WorkerExtensionCapturer:
         self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION,
                                 enforce_eager=True, enable_prefix_caching=False)
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
-        self.vision = _engine_vision(self.llm, model_dir)
+        self.vision = Vision.of_engine(self.llm, model_dir)
 
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
         from patches.capture_worker import load_captured
@@ -137,7 +131,7 @@ class ExtractHiddenStatesCapturer:
                 "kv_connector_extra_config": {"shared_storage_path": self.spool.name},
             },
         )
-        self.vision = _engine_vision(self.llm, model_dir)
+        self.vision = Vision.of_engine(self.llm, model_dir)
 
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (

@@ -21,6 +21,9 @@ from typing import Any
 
 from eagle3_pipeline.config import TargetConfig
 from eagle3_pipeline.data.conversations import InvalidConversation
+from eagle3_pipeline.target import image_token_id
+
+Prompt = tuple[list[int], list[bytes]]  # a sample's ids as 01 stores them, and its images' file bytes
 
 
 def read_image(source: str) -> bytes:
@@ -72,9 +75,10 @@ class Vision:
         return cls(MULTIMODAL_REGISTRY.create_processor(config), token_id)
 
     @classmethod
-    def of_engine(cls, llm, token_id: int) -> Vision:
-        """The processor of a running `vllm.LLM`."""
-        return cls(llm.renderer.get_mm_processor(), token_id)
+    def of_engine(cls, llm, model_dir: Path) -> Vision | None:
+        """The processor of a running `vllm.LLM` on the target in `model_dir`; None for a text-only target."""
+        token_id = image_token_id(model_dir)
+        return None if token_id is None else cls(llm.renderer.get_mm_processor(), token_id)
 
     def data(self, images: list[bytes]) -> dict[str, list[Any]]:
         """`multi_modal_data` of a request with these images."""

@@ -21,6 +21,7 @@ from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.export_format import speculative_config
 from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
+from eagle3_pipeline.vision import Prompt, Vision, request
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -51,10 +52,10 @@ class EngineRun:
         return sum(len(tokens) for tokens in self.outputs)
 
 
-def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_dir: Path | None, k: int) -> EngineRun:
-    """Generate greedily for every prompt, with the draft at k tokens (or without speculation when k == 0)."""
+def serve(config: RunConfig, model_dir: Path, prompts: list[Prompt], export_dir: Path | None, k: int) -> EngineRun:
+    """Generate greedily for every prompt (with its images), with the draft at k tokens (or without speculation
+    when k == 0)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     settings = {}
     if k:
@@ -66,7 +67,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[list[int]], export_d
             record_weights(run, llm.collective_rpc(REPORT))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
         started = time.perf_counter()
-        results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+        vision = Vision.of_engine(llm, model_dir)
+        requests = [request(ids, images, vision) for ids, images in prompts]
+        results = llm.generate(requests, params, use_tqdm=False)
         run.seconds = time.perf_counter() - started
         run.outputs = [list(result.outputs[0].token_ids) for result in results]
         if k:

@@ -24,6 +24,7 @@ from eagle3_pipeline.target import target_path
 from eagle3_pipeline.validate.acceptance import EngineRun, serve
 from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
+from eagle3_pipeline.vision import Prompt
 
 # What serving an Eagle-3 draft on the target relies on (each reports "not needed" where vLLM needs no help)
 REQUIRED_PATCHES = ("vllm-eagle3-deepseek-kimi", "vllm-eagle3-target-check")
@@ -95,8 +96,8 @@ def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
     return Spec(recorded["config"], recorded["tensors"])
 
 
-def eval_prompts(config: RunConfig) -> list[list[int]]:
-    """01's eval split, templated prompts (`prompt_ids`), the first `validate.max_prompts`."""
+def eval_prompts(config: RunConfig) -> list[Prompt]:
+    """01's eval split, templated prompts (`prompt_ids`) with their images, the first `validate.max_prompts`."""
     from datasets import load_from_disk
 
     data_dir = Path(config.run_dir) / "01_data"
@@ -106,10 +107,11 @@ def eval_prompts(config: RunConfig) -> list[list[int]]:
     if "prompt_ids" not in split.column_names or len(split) == 0:
         raise StageError(f"01_data has no eval prompts ({data_dir}/eval), and 06 measures acceptance on them: set "
                          "data.eval_sources or data.eval_fraction, then rerun the stages from 01_prepare_data.py --force")
-    return [list(ids) for ids in split["prompt_ids"][: config.validate_.max_prompts]]
+    chosen = split.select(range(min(len(split), config.validate_.max_prompts or len(split))))
+    return [(list(ids), list(images)) for ids, images in zip(chosen["prompt_ids"], chosen["images"])]
 
 
-def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[list[int]]):
+def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[Prompt]):
     """One engine per k with the draft, then one without speculation: (runs, plain or None)."""
     from patches import PatchError, require_applied
 
