@@ -29,6 +29,7 @@ per-name seeded generators, the BPE is trained on a fixed text.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import shutil
@@ -308,10 +309,10 @@ def _trained_vocab() -> dict[str, int]:
 
     Ids between the trained vocabulary and the special block exist in Kimi's vocabulary; here they are
     unreachable placeholders (no merge produces them), so a random model can still emit and decode every id."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = _pre_tokenizer(pre_tokenizers, Regex)
+    tok.pre_tokenizer = _pre_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=4096,
         min_frequency=2,
@@ -323,14 +324,17 @@ def _trained_vocab() -> dict[str, int]:
     return vocab | {f"<|unused_{i}|>": i for i in range(len(vocab), FIRST_SPECIAL_ID)}
 
 
-def _pre_tokenizer(pre_tokenizers, regex):
+def _pre_tokenizer():
     """Kimi's pattern, then the byte-level mapping (what transformers builds from a tiktoken tokenizer)."""
+    from tokenizers import Regex, pre_tokenizers
+
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(regex(_kimi_tokenizer_module().PAT_STR), behavior="isolated"),
+        pre_tokenizers.Split(Regex(_kimi_tokenizer_module().PAT_STR), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 
 
+@functools.cache
 def _kimi_tokenizer_module():
     """The assets' tokenization_kimi.py as a module (its pattern and byte map are the stand-in's)."""
     import importlib.util
@@ -351,11 +355,11 @@ NAMED_SPECIALS = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK
 
 
 def _write_fast_tokenizer(out_dir: pathlib.Path, vocab: dict[str, int]) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(vocab)))
-    tok.pre_tokenizer = _pre_tokenizer(pre_tokenizers, Regex)
+    tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens([AddedToken(text, special=special, normalized=False) for _, text, special in _special_tokens()])
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=TEXT_CONFIG["max_position_embeddings"],
