@@ -41,7 +41,8 @@ SPLITS = ("train", "eval")
 class Sample:
     sample_id: str
     split: str
-    input_ids: list[int]
+    input_ids: list[int]  # as vLLM prompts the sample: image placeholders expanded (vision.py)
+    images: tuple[bytes, ...] = ()  # the file bytes of its images, in order
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ def load_samples(data_dir: Path) -> list[Sample]:
 
     samples = []
     for split in SPLITS:
-        dataset = load_from_disk(str(data_dir / split)).select_columns(["id", "input_ids"])
-        samples += [Sample(row["id"], split, list(row["input_ids"])) for row in dataset]
+        dataset = load_from_disk(str(data_dir / split)).select_columns(["id", "input_ids", "images"])
+        samples += [Sample(row["id"], split, list(row["input_ids"]), tuple(row["images"])) for row in dataset]
     return samples
 
 
@@ -194,7 +195,7 @@ def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_t
 def capture_checked(capturer, batch: list[Sample], num_aux: int, hidden_size: int) -> list[store.SampleStates]:
     """The states of a batch of samples, each checked against its token count."""
     captured = []
-    for sample, (aux, final) in zip(batch, capturer.capture([s.input_ids for s in batch])):
+    for sample, (aux, final) in zip(batch, capturer.capture([(s.input_ids, list(s.images)) for s in batch])):
         if aux.shape != (len(sample.input_ids), num_aux, hidden_size):
             raise StageError(f"sample {sample.sample_id}: captured aux {tuple(aux.shape)} does not match "
                              f"{len(sample.input_ids)} tokens x {num_aux} layers x {hidden_size}")

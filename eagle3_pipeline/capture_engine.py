@@ -6,8 +6,10 @@
 - `worker_extension` (vLLM 0.16 and the fallback, MLA targets included): `patches.capture_worker` records
   the same residual streams inside the worker; `collective_rpc` hands them back.
 
-Both return, per prompt, aux [T, n_aux, H] in the order of `aux_layer_ids` and final [T, H] (the last
-layer's output before the final norm), on the CPU.
+Both take prompts as 01 stores them (ids with image placeholders expanded, and the images' bytes), hand
+vLLM the images, check that the prompt vLLM computed is the stored one, and return, per prompt, aux
+[T, n_aux, H] in the order of `aux_layer_ids` and final [T, H] (the last layer's output before the final
+norm), on the CPU.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import is_mla
+from eagle3_pipeline.vision import Prompt, Vision, request
 
 FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
 CapturedStates = tuple[torch.Tensor, torch.Tensor]
 
 
 class Capturer(Protocol):
-    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]: ...
+    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]: ...
 
 
 def vllm_version() -> Version:
@@ -72,11 +75,17 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
     return WorkerExtensionCapturer(config, model_dir, aux_layer_ids)
 
 
-def _prompts(prompts: list[list[int]]):
-    from vllm import SamplingParams, TokensPrompt
+def _prompts(prompts: list[Prompt], vision: Vision | None):
+    from vllm import SamplingParams
 
     # One generated token: the prompt's states are what training needs; the token itself is discarded.
-    return [TokensPrompt(prompt_token_ids=ids) for ids in prompts], SamplingParams(max_tokens=1, temperature=0.0)
+    return [request(ids, images, vision) for ids, images in prompts], SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _check_prompt(output, ids: list[int]) -> None:
+    if list(output.prompt_token_ids) != ids:
+        raise StageError(f"request {output.request_id}: vLLM prompted {len(output.prompt_token_ids)} tokens where "
+                         f"01_data holds {len(ids)} (its images expanded otherwise): rerun 01 with this vLLM")
 
 
 class WorkerExtensionCapturer:
@@ -89,12 +98,15 @@ class WorkerExtensionCapturer:
         self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION,
                                 enforce_eager=True, enable_prefix_caching=False)
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
+        self.vision = Vision.of_engine(self.llm, model_dir)
 
-    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]:
+    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
         from patches.capture_worker import load_captured
 
-        requests, sampling = _prompts(prompts)
+        requests, sampling = _prompts(prompts, self.vision)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        for output, (ids, _) in zip(outputs, prompts):
+            _check_prompt(output, ids)
         captured = load_captured(outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0])
         return [(c["aux_hidden_states"][:, self.column_of], c["final_hidden_state"]) for c in captured]
 
@@ -119,16 +131,18 @@ class ExtractHiddenStatesCapturer:
                 "kv_connector_extra_config": {"shared_storage_path": self.spool.name},
             },
         )
+        self.vision = Vision.of_engine(self.llm, model_dir)
 
-    def capture(self, prompts: list[list[int]]) -> list[CapturedStates]:
+    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
         )
 
-        requests, sampling = _prompts(prompts)
+        requests, sampling = _prompts(prompts, self.vision)
         results = []
-        for ids, output in zip(prompts, self.llm.generate(requests, sampling, use_tqdm=False)):
+        for (ids, _), output in zip(prompts, self.llm.generate(requests, sampling, use_tqdm=False)):
+            _check_prompt(output, ids)
             path = output.kv_transfer_params["hidden_states_path"]
             written = load_hidden_states(path)
             cleanup_hidden_states(path)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25")
+STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken")
 
 
 class ConfigError(Exception):
@@ -48,9 +48,14 @@ class TargetConfig(Section):
 
     path: str | None = Field(None, description="local Hugging Face folder of the target")
     stand_in: Literal[STAND_IN_NAMES] | None = Field(  # type: ignore[valid-type]
-        None, description="build and use a local stand-in target instead of `path`"
+        None, description="build and use a local stand-in target instead of `path`; tiny-kimi-k25 has a fast tokenizer "
+        "(tokenizer.json), tiny-kimi-k25-tiktoken the same model with Kimi's remote-code tiktoken tokenizer (same ids; "
+        "needs trust_remote_code)",
     )
-    trust_remote_code: bool = Field(False, description="allow the target folder's own Python code")
+    trust_remote_code: bool = Field(
+        False, description="allow the target folder's own Python code (required when its tokenizer is code, as "
+        "Kimi-K2.5's TikTokenTokenizer)",
+    )
     weight_prefix: str = Field("", description="prefix of the text model's tensor names ('language_model.' for Kimi)")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keywords for the chat template (Kimi: thinking)"

@@ -5,7 +5,9 @@ write what it has to (magpie user turns, regenerated answers) in resumable chunk
 chat template and writes to `<run_dir>/01_data/`:
 
     train/, eval/            Arrow datasets (save_to_disk): id, source, input_ids int32, loss_mask int8,
-                             seq_len int32; eval adds prompt_ids (the last turn's prompt, for stage 06)
+                             seq_len int32, images (the file bytes of the images in the sample, in order:
+                             their placeholders are expanded in input_ids as vLLM expands them, see
+                             vision.py); eval adds prompt_ids (the last turn's prompt, for stage 06)
     token_freq.safetensors   counts int64 [target vocab]: loss-masked tokens of the train split (stage 03)
     stats.json               samples per source and split, skips per reason (first ids), length histogram,
                              loss-token fraction, loss tokens by kind (reasoning, answer, tool_call),
@@ -15,18 +17,21 @@ chat template and writes to `<run_dir>/01_data/`:
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import DataConfig, RunConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
-from eagle3_pipeline.data.conversations import Conversation, Skips
+from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
 from eagle3_pipeline.data.generate import generate_turns
 from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
 from eagle3_pipeline.data.stats import generation_stats, loss_kinds_summary, split_stats, token_frequencies
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
-from eagle3_pipeline.target import target_path, text_config
+from eagle3_pipeline.target import image_token_id, target_path, text_config
+from eagle3_pipeline.vision import Vision, read_image
 
 
 def run(config: RunConfig, force: bool = False) -> None:
@@ -43,13 +48,17 @@ def run(config: RunConfig, force: bool = False) -> None:
     # conversations are fixed before any generation: nothing of them can reach the train split.
     with stage.timed("read"):
         train, held_out = _read_sources(data, skips)
+        image_token = image_token_id(model_dir)
+        train, held_out = (_read_images(conversations, image_token is not None, skips) for conversations in
+                           (train, held_out))
     print(f"01_data: {len(train)} train and {len(held_out)} eval conversations read; skipped so far: "
           f"{skips.summary() or 'none'}")
+    vision = _vision(config, model_dir, image_token) if any(c.images for c in train + held_out) else None
     stage.begin()
 
     eval_ids = {c.id for c in held_out}
     with stage.timed("generate"):
-        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips, eval_ids)
+        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips, eval_ids, vision)
     train = [c for c in conversations if c.id not in eval_ids]
     held_out = [c for c in conversations if c.id in eval_ids]
 
@@ -58,8 +67,8 @@ def run(config: RunConfig, force: bool = False) -> None:
         print(f"01_data: {len(first_turns_only)} eval conversations (first: {first_turns_only[0]}) are served through "
               "their first user turn only: later turns follow answers the target writes with data.regenerate.enabled")
     with stage.timed("tokenize"):
-        train_rows = to_rows(train, template, data, with_prompt=False, skips=skips, split="train")
-        eval_rows = to_rows(held_out, template, data, with_prompt=True, skips=skips, split="eval")
+        train_rows = to_rows(train, template, data, with_prompt=False, skips=skips, split="train", vision=vision)
+        eval_rows = to_rows(held_out, template, data, with_prompt=True, skips=skips, split="eval", vision=vision)
     if not train_rows:
         raise StageError(f"no valid training samples ({skips.summary() or 'the sources hold no records'})")
     if not eval_rows:
@@ -112,12 +121,37 @@ def _read_sources(data: DataConfig, skips: Skips) -> tuple[list[Conversation], l
     return [c for i, c in enumerate(train) if i not in chosen], held_out
 
 
+def _read_images(conversations: list[Conversation], readable: bool, skips: Skips) -> list[Conversation]:
+    """The conversations with their images' bytes; those with an unreadable image are skipped, and on a target
+    that reads no images (`readable` false) every conversation holding one (images_unsupported)."""
+    kept = []
+    for conversation in conversations:
+        sources = image_sources(conversation.messages)
+        try:
+            if sources and not readable:
+                raise InvalidConversation("images_unsupported")
+            kept.append(dataclasses.replace(conversation, images={source: read_image(source) for source in sources}))
+        except InvalidConversation as err:
+            skips.add(err.reason, conversation.id)
+    return kept
+
+
+def _vision(config: RunConfig, model_dir: Path, image_token: int) -> Vision:
+    """vLLM's multimodal processor for the target: it says how many tokens each image becomes."""
+    try:
+        return Vision.offline(config.target, model_dir, image_token)
+    except ImportError:
+        raise StageError("conversations with images need vLLM (its multimodal processor for the target counts "
+                         "their tokens): install it (make setup)") from None
+
+
 def _save_split(stage: Stage, split: str, rows: list[dict[str, Any]]) -> None:
     import datasets
 
     token_ids = datasets.List(datasets.Value("int32"))
     features = {"id": datasets.Value("string"), "source": datasets.Value("string"), "input_ids": token_ids,
-                "loss_mask": datasets.List(datasets.Value("int8")), "seq_len": datasets.Value("int32")}
+                "loss_mask": datasets.List(datasets.Value("int8")), "seq_len": datasets.Value("int32"),
+                "images": datasets.List(datasets.Value("binary"))}
     if split == "eval":
         features["prompt_ids"] = token_ids
     columns = {name: [row[name] for row in rows] for name in features}

@@ -19,19 +19,45 @@ FACT_KEYS = ("vocab_size", "num_hidden_layers", "bos_token_id", "eos_token_id") 
 
 
 def target_path(target: TargetConfig) -> Path:
-    """The target's local Hugging Face folder, building the stand-in when the config names one."""
-    if target.stand_in is not None:
-        return ensure_stand_in(target.stand_in)
-    path = Path(target.path)
+    """The target's local Hugging Face folder, building the stand-in when the config names one.
+
+    A folder whose tokenizer is its own code needs `trust_remote_code`: without it transformers (and vLLM)
+    fall back to a generic backend built from the vocabulary files, which may split special tokens or
+    pre-tokenize otherwise, so that is refused here rather than loaded."""
+    path = ensure_stand_in(target.stand_in) if target.stand_in is not None else Path(target.path)
     if not (path / "config.json").is_file():
         raise StageError(f"target.path {path}: not a Hugging Face model folder (no config.json)")
+    remote_class = remote_tokenizer_class(path)
+    if remote_class and not target.trust_remote_code:
+        raise ConfigError(f"target {path}: its tokenizer is remote code ({remote_class} in tokenizer_config.json's "
+                          "auto_map), loaded only with target.trust_remote_code: true")
     return path
+
+
+def remote_tokenizer_class(model_dir: Path) -> str | None:
+    """`module.Class` of the tokenizer the folder ships as code (tokenizer_config.json's auto_map), or None."""
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    auto_map = json.loads(config_file.read_text()).get("auto_map", {}) if config_file.is_file() else {}
+    remote_class = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    return remote_class[0] if isinstance(remote_class, list) else remote_class
 
 
 def text_config(model_dir: Path) -> dict:
     """The target's text-model config: config.json itself, or its `text_config` (Kimi-K2.5's DeepSeek-V3)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return config.get("text_config", config)
+
+
+# config.json keys naming the token a chat template writes per image (Kimi-K2.5's, then other VLMs')
+IMAGE_TOKEN_KEYS = ("media_placeholder_token_id", "image_token_id", "image_token_index")
+
+
+def image_token_id(model_dir: Path) -> int | None:
+    """The id of the placeholder token vLLM expands into an image's embeddings; None for a text-only target."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" not in config:
+        return None
+    return next((config[key] for key in IMAGE_TOKEN_KEYS if isinstance(config.get(key), int)), None)
 
 
 def is_mla(text: dict) -> bool:

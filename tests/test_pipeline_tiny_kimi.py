@@ -1,31 +1,55 @@
 """01 ... 06 run as a user runs them, one script after the other, on configs/tiny_kimi.yaml: the Kimi code paths
-end to end. 01 lets the MLA target write magpie chats in thinking mode; 02 captures through the worker
-extension (MLA); 03, 04 (4 steps), 05 (both formats); 06 checks both folders and serves the reference draft
-on the MLA target, in an environment where speculators cannot be imported (as vLLM 0.16's).
+end to end, through Kimi's remote-code tiktoken tokenizer (trust_remote_code in 01, 02 and 06). 01 lets the
+MLA target write magpie chats in thinking mode and answer a conversation holding two images (a file and a
+data URL); 02 captures through the worker extension (MLA), the images' tokens through the MoonViT tower;
+03, 04 (4 steps), 05 (both formats); 06 checks both folders and serves the reference draft on the MLA
+target, in an environment where speculators cannot be imported (as vLLM 0.16's).
 
 Three engine starts (01, 02, 06 with the draft): a few minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import pytest
 from datasets import load_from_disk
 
+from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import STAGES, read_manifest
 from tests.conftest import CONFIGS, run_python
 from tests.no_speculators import without_speculators
 
 THINK = 163606  # Kimi's <think>: in thinking mode the generation prompt opens the reasoning
+MEDIA_PAD = 163605  # Kimi's image placeholder: vLLM makes one per 2x2 merged 14-pixel patches of an image
 SETTINGS = ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every=4", "train.eval_every=4",
             "train.log_every=1", "validate.compare_without_speculation=false"]
+
+
+def image_conversation(folder) -> str:
+    """A JSONL file of one chat showing two generated images: one by path, one as a data URL."""
+    from PIL import Image
+
+    pictures = [Image.linear_gradient("L").resize((84, 56)).convert("RGB"), Image.new("RGB", (28, 56), (0, 90, 200))]
+    pictures[0].save(folder / "gradient.png")
+    encoded = io.BytesIO()
+    pictures[1].save(encoded, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    content = [{"type": "text", "text": "What differs between these two pictures?"},
+               {"type": "image_url", "image_url": {"url": str(folder / "gradient.png")}},
+               {"type": "image", "image": data_url}]
+    chat = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "The colour."}]}
+    (folder / "pictures.jsonl").write_text(json.dumps(chat) + "\n")
+    return f"{{kind: file, name: {folder / 'pictures.jsonl'}}}"
 
 
 @pytest.mark.vllm
 def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [word for setting in [f"run_dir={run_dir}", *SETTINGS] for word in ("--set", setting)]
+    sources = f"data.sources=[{{kind: magpie, limit: 32, max_tokens: 8}}, {image_conversation(tmp_path)}]"
+    overrides = [word for setting in [f"run_dir={run_dir}", sources, *SETTINGS] for word in ("--set", setting)]
     manifests, outputs = {}, {}
     for spec in STAGES.values():
         environment = without_speculators(tmp_path / "site") if spec.name == "06_validate" else None
@@ -37,15 +61,24 @@ def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_p
 
     data = manifests["01_data"]["counts"]
     stats = json.loads((run_dir / "01_data" / "stats.json").read_text())
-    assert data["train_samples"] + data["eval_samples"] + data["skipped"] == 32 and data["eval_samples"] >= 1
+    assert data["train_samples"] + data["eval_samples"] + data["skipped"] == 33 and data["eval_samples"] >= 1
     assert stats["generation"]["answers_generated"] > 0
     prompts = load_from_disk(str(run_dir / "01_data" / "eval"))["prompt_ids"]
     assert all(ids[-1] == THINK for ids in prompts), "the eval prompts must end in the thinking-mode opening"
+    # The image chat (held for training by eval_fraction's seed): its placeholders expanded, never trained.
+    train = load_from_disk(str(run_dir / "01_data" / "train"))
+    (row,) = [r for r in train if r["id"] == "pictures-0"]
+    image_rows = [i for i, token in enumerate(row["input_ids"]) if token == MEDIA_PAD]
+    assert len(row["images"]) == 2 and stats["train"]["image_tokens"] == len(image_rows) > 2
+    assert not any(row["loss_mask"][i] for i in image_rows) and any(row["loss_mask"])
 
     states = manifests["02_hidden_states"]
     assert "capture path: worker_extension" in outputs["02_hidden_states"]
     assert states["layout"]["aux_layer_ids"] == [2, 4, 5] and states["layout"]["final_layer_id"] == 8
     assert states["counts"]["samples"] == data["train_samples"] + data["eval_samples"]
+    # 02 checked that vLLM's expanded prompt is 01's ids; the captured rows are as many
+    aux, final = open_reader(run_dir / "02_hidden_states")[0].get("pictures-0")
+    assert aux.shape[0] == final.shape[0] == len(row["input_ids"])
 
     assert manifests["03_vocab"]["counts"]["draft_vocab_size"] == 2048
     assert manifests["04_train"]["counts"]["steps"] == 4 and manifests["04_train"]["counts"]["eval_accuracy"]

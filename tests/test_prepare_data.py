@@ -205,3 +205,67 @@ def test_killed_regeneration_resumes_and_generates_every_sample_once(tmp_path):
     skipped = sum(reason["count"] for reason in stats["skipped"].values())
     assert len(train) + len(held_out) + skipped == 8 and held_out["id"] == ["prompts-0", "prompts-1"]
     assert stats["generation"]["answers_generated"] == 8 - stats["skipped"].get("empty_generation", {}).get("count", 0)
+
+
+KIMI_RECORDS = [  # plain chats, and a thinking-mode agentic one (no `tools`: Kimi's tokenizer sorts their keys)
+    *(as_messages(c) for c in CONVERSATIONS),
+    {"messages": [
+        {"role": "user", "content": "Weather in Paris? Answer in 12 words."},
+        {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.",
+         "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "18 C, cloudy"},
+        {"role": "assistant", "content": "It is 18 C and cloudy in Paris.", "reasoning_content": "Known now."}]},
+]
+KIMI_IDS = {"<|im_system|>": 163594, "<|im_user|>": 163587, "<|im_assistant|>": 163588, "<|im_middle|>": 163601,
+            "<|im_end|>": 163586, "<think>": 163606, "</think>": 163607, "<|tool_calls_section_begin|>": 163595}
+
+
+def test_tiny_kimi_remote_code_tokenizer_gives_the_rows_of_the_fast_one_with_kimis_special_ids(tmp_path):
+    """01 through Kimi's remote-code TikTokenTokenizer (configs/tiny_kimi.yaml) writes exactly the rows of the
+    fast tokenizer, and the chat format's tokens are Kimi's single ids where the template writes them."""
+    data = write_jsonl(tmp_path / "kimi.jsonl", KIMI_RECORDS)
+    rows = {}
+    for form, settings in {"tiktoken": [], "fast": ["target.stand_in=tiny-kimi-k25", "target.trust_remote_code=false"]
+                           }.items():
+        config = load_config(CONFIGS / "tiny_kimi.yaml", [
+            f"run_dir={tmp_path / form}", f"data.sources=[{{kind: file, name: {data}}}]", "data.eval_fraction=0",
+            "data.regenerate.enabled=false", "data.max_seq_len=1024", *settings])
+        prepare_data.run(config)
+        rows[form] = datasets.load_from_disk(str(tmp_path / form / "01_data" / "train")).to_list()
+    assert len(rows["tiktoken"]) == len(KIMI_RECORDS) and rows["tiktoken"] == rows["fast"]
+    for row in rows["tiktoken"]:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert ids[0] == KIMI_IDS["<|im_system|>"] and ids[-1] == KIMI_IDS["<|im_end|>"] and mask[-1] == 1
+        # the last turn: <|im_assistant|>assistant<|im_middle|><think> is the prompt, </think>... is trained
+        header = len(ids) - 1 - ids[::-1].index(KIMI_IDS["<|im_assistant|>"])
+        opened = ids.index(KIMI_IDS["<think>"], header)
+        assert ids[opened - 1] == KIMI_IDS["<|im_middle|>"] and ids[opened + 1] == KIMI_IDS["</think>"]
+        assert mask[opened] == 0 and all(mask[opened + 1:])
+    agentic = rows["tiktoken"][-1]["input_ids"]
+    assert agentic.count(KIMI_IDS["<|tool_calls_section_begin|>"]) == 1
+
+
+def test_a_remote_code_tokenizer_without_trust_remote_code_is_a_one_line_config_error(tmp_path, capsys):
+    from tests.test_unusual_runs import config_file, stage
+
+    config = config_file(tmp_path, "tiny_kimi", ["target.trust_remote_code=false"])
+    result = stage(capsys, "01_prepare_data.py", config)
+    assert result.code == 2 and result.error_line().startswith("config error: target ")
+    assert "tokenization_kimi.TikTokenTokenizer in tokenizer_config.json's auto_map" in result.error_line()
+    assert "target.trust_remote_code: true" in result.error_line()
+
+
+def test_a_text_only_target_skips_image_conversations_by_reason(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(tmp_path / "red.png")
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What colour is this?"},
+                                                       {"type": "image_url", "image_url": {"url": str(tmp_path / "red.png")}}]},
+                          {"role": "assistant", "content": "Red."}]}
+    data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, image])
+    result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["mixed-1"]}}
+    assert stats["train"]["samples"] == 1 and stats["train"]["image_tokens"] == 0

@@ -32,7 +32,6 @@ is always a token boundary; the special tokens are checked to encode to single i
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any
 from eagle3_pipeline.config import TargetConfig
 from eagle3_pipeline.data.conversations import InvalidConversation
 from eagle3_pipeline.stage_io import StageError
+from eagle3_pipeline.target import remote_tokenizer_class
 
 REASONING_START, REASONING_END = "<think>", "</think>"  # Kimi's reasoning markers (also DeepSeek-R1's, Qwen3's)
 PROBE_USER, PROBE_ANSWER = "Ping?", "Pong."
@@ -79,12 +79,9 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool):
     from transformers import AutoTokenizer
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    config_file = model_dir / "tokenizer_config.json"
-    auto_map = json.loads(config_file.read_text()).get("auto_map", {}) if config_file.is_file() else {}
-    remote_class = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    remote_class = remote_tokenizer_class(model_dir)
     if trust_remote_code and remote_class:
-        class_ref = remote_class[0] if isinstance(remote_class, list) else remote_class
-        return get_class_from_dynamic_module(class_ref, str(model_dir)).from_pretrained(str(model_dir))
+        return get_class_from_dynamic_module(remote_class, str(model_dir)).from_pretrained(str(model_dir))
     return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 

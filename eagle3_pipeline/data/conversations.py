@@ -1,6 +1,9 @@
 """Conversations in one shape whatever schema they came in, and the bookkeeping of skipped records.
 
-A message is a dict `{"role": "system"|"user"|"assistant"|"tool", "content": str}`; an assistant message may
+A message is a dict `{"role": "system"|"user"|"assistant"|"tool", "content": str}`; the content of a turn that
+is not the assistant's may instead be a list of parts holding images, `{"type": "text", "text": str}` and
+`{"type": "image", "image": SOURCE}` (SOURCE a local path or a data URL, from a record's `image_url` part, its
+`image` part or key; the target's template writes its placeholder for each). An assistant message may
 also carry `reasoning_content` (OpenAI-style reasoning, as Kimi's API returns it), `tool_calls` (OpenAI's
 `[{"id", "type": "function", "function": {"name", "arguments"}}]`; its content may then be empty) and, when
 the target wrote it in this stage, `completion` (its raw output text) and `finished` (it ended with its
@@ -27,7 +30,7 @@ from eagle3_pipeline.config import SourceConfig
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "observation": "tool"}
-IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image (refused: not read yet)
+IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image
 FIRST_IDS_KEPT = 5  # example ids recorded per skip reason
 
 
@@ -46,6 +49,7 @@ class Conversation:
     messages: list[dict[str, Any]]
     magpie: SourceConfig | None = None  # set when the target still has to write the user turn
     tools: list[dict[str, Any]] | None = None  # function declarations the conversation may call
+    images: dict[str, bytes] = field(default_factory=dict)  # image source (path or data URL) -> file bytes
 
 
 @dataclass
@@ -99,7 +103,11 @@ def _message(turn: Any, role_key: str, content_key: str, roles: dict[str, str]) 
     role = _role(turn, role_key, roles)
     tool_calls = [_tool_call(call) for call in turn.get("tool_calls") or []] if role == "assistant" else []
     empty_allowed = role == "tool" or bool(tool_calls)
-    message = {"role": role, "content": _text(turn.get(content_key), empty_allowed)}
+    content = turn.get(content_key)
+    if role != "assistant" and isinstance(content, list) and any(_is_image(part) for part in content):
+        message = {"role": role, "content": [_part(part) for part in content]}
+    else:
+        message = {"role": role, "content": _text(content, empty_allowed)}
     reasoning = turn.get("reasoning_content")
     if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
         message["reasoning_content"] = reasoning
@@ -172,10 +180,29 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") in IMAGE_PARTS or bool(IMAGE_PARTS & part.keys()))
 
 
+def _part(part: Any) -> dict[str, str]:
+    """A text or image content part in the shape the templates read; an image's source is its path or data URL."""
+    if _is_image(part):
+        source = part.get("image_url", part.get("image"))
+        source = source.get("url") if isinstance(source, dict) else source
+        if not isinstance(source, str) or not source:
+            raise InvalidConversation("malformed_image")
+        return {"type": "image", "image": source}
+    if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
+        raise InvalidConversation("non_string_content")
+    return {"type": "text", "text": part["text"]}
+
+
+def image_sources(messages: list[dict[str, Any]]) -> list[str]:
+    """The images of a conversation, in the order its turns show them."""
+    return [part["image"] for m in messages if isinstance(m["content"], list) for part in m["content"]
+            if part["type"] == "image"]
+
+
 def _text(content: Any, empty_allowed: bool = False) -> str:
-    """A string, or OpenAI content parts that are all text (joined); anything else is skipped, images under
-    their own reason. Only tool results and assistant turns that call tools may be empty (None reads as
-    empty there)."""
+    """A string, or OpenAI content parts that are all text (joined); anything else is skipped (an image in an
+    assistant turn: images_unsupported, as the draft never writes one). Only tool results and assistant turns
+    that call tools may be empty (None reads as empty there)."""
     if content is None and empty_allowed:
         return ""
     if isinstance(content, list) and any(_is_image(part) for part in content):

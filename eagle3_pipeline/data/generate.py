@@ -32,17 +32,20 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
-from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips
+from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import Stage, StageError
+from eagle3_pipeline.vision import Vision, request
 
 CHUNK_DIR = "generated"
 
 
 def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, model_dir: Path,
-                   conversations: list[Conversation], skips: Skips, eval_ids: set[str]) -> list[Conversation]:
+                   conversations: list[Conversation], skips: Skips, eval_ids: set[str],
+                   vision: Vision | None = None) -> list[Conversation]:
     """`conversations` with every turn the target writes written (the answers of `eval_ids` at
-    `data.regenerate.eval_temperature`); those that failed are moved to `skips`."""
+    `data.regenerate.eval_temperature`); those that failed are moved to `skips`. Conversations with images
+    need the target's `vision` (their prompts carry the images)."""
     regenerate = config.data.regenerate
     todo = [c for c in conversations if c.magpie is not None or regenerate.enabled]
     chunks = [todo[i: i + regenerate.chunk_size] for i in range(0, len(todo), regenerate.chunk_size)]
@@ -54,7 +57,7 @@ def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, mode
     if missing:
         llm = start_engine(config.target, model_dir)
         for k in tqdm(missing, desc="generated chunks", unit="chunk"):
-            records = _generate_chunk(llm, template, chunks[k], config, eval_ids)
+            records = _generate_chunk(llm, template, chunks[k], config, eval_ids, vision)
             with stage.atomic(f"{CHUNK_DIR}/{paths[k].name}") as tmp:
                 tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
         del llm  # frees the engine's memory before tokenization
@@ -129,11 +132,11 @@ class Rewrite:
 
 
 def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], config: RunConfig,
-                    eval_ids: set[str]) -> list[dict]:
+                    eval_ids: set[str], vision: Vision | None = None) -> list[dict]:
     rewrites = [Rewrite(c) for c in chunk]
     user_prefix = template.user_prefix_ids()
     magpie = [(r, user_prefix, r.conversation.magpie) for r in rewrites if r.conversation.magpie is not None]
-    for rewrite, output in _complete(llm, config, template, magpie, "user"):
+    for rewrite, output in _complete(llm, config, template, magpie, "user", vision):
         user_turn = output.text.strip()
         rewrite.messages.append({"role": "user", "content": user_turn})
         rewrite.skip = None if user_turn else "empty_generation"
@@ -143,7 +146,7 @@ def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], conf
     while waiting := [r for r in rewrites if not r.skip and r.needs_answer()]:
         requests = [(r, ids, answers[r.conversation.id in eval_ids]) for r in waiting
                     if (ids := _prompt_ids(template, r)) is not None]
-        for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}"):
+        for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}", vision):
             rewrite.add_answer(template, output.text, finished=output.finish_reason == "stop")
         turn += 1
     return [r.record() for r in rewrites]
@@ -158,23 +161,30 @@ def _prompt_ids(template: ChatTemplate, rewrite: Rewrite) -> list[int] | None:
 
 
 def _complete(llm, config: RunConfig, template: ChatTemplate, requests: list[tuple[Rewrite, list[int], Any]],
-              what: str) -> list[tuple[Rewrite, Any]]:
+              what: str, vision: Vision | None) -> list[tuple[Rewrite, Any]]:
     """(rewrite, completion) for each request that fits the engine; the others are marked overlong_prompt.
 
-    A request is (rewrite, prompt ids, settings with temperature and max_tokens)."""
+    A request is (rewrite, prompt ids as the template writes them, settings with temperature and max_tokens);
+    the images of the conversation so far go with it, and its length is the prompt's once vLLM expands them."""
     from vllm import SamplingParams
 
     max_model_len = config.target.engine.max_model_len
     fitting = []
     for rewrite, prompt_ids, settings in requests:
-        room = min(settings.max_tokens, max_model_len - len(prompt_ids))
+        images = [rewrite.conversation.images[source] for source in image_sources(rewrite.messages)]
+        try:
+            length = sum(vision.repeats(prompt_ids, images)) if images else len(prompt_ids)
+        except InvalidConversation as err:
+            rewrite.skip = err.reason
+            continue
+        room = min(settings.max_tokens, max_model_len - length)
         if room < 1:
             rewrite.skip = "overlong_prompt"
             continue
         seed = zlib.crc32(f"{config.data.seed}/{rewrite.conversation.id}/{what}".encode())
         params = SamplingParams(temperature=settings.temperature, max_tokens=room, seed=seed,
                                 stop_token_ids=[template.end_of_turn_id], skip_special_tokens=False)
-        fitting.append((rewrite, {"prompt_token_ids": prompt_ids}, params))
+        fitting.append((rewrite, request(prompt_ids, images, vision, expanded=False), params))
     if not fitting:
         return []
     outputs = llm.generate([f[1] for f in fitting], [f[2] for f in fitting], use_tqdm=True)

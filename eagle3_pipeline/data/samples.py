@@ -1,4 +1,10 @@
-"""Conversations to dataset rows: templated token ids, the assistant-only loss mask, the length limit."""
+"""Conversations to dataset rows: templated token ids, the assistant-only loss mask, the length limit, images.
+
+A conversation with images is laid out as vLLM prompts it: each image's placeholder token repeated as many
+times as vLLM expands it (`vision.Vision`), never trained; the row keeps the images' file bytes. A sample
+that `data.max_seq_len` would cut inside an image is skipped (`image_cut_by_max_seq_len`): vLLM cannot take
+part of an image.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,16 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import DataConfig
 from eagle3_pipeline.data.chat_template import KINDS, ChatTemplate
-from eagle3_pipeline.data.conversations import (Conversation, InvalidConversation, Skips, through_first_user_turn,
-                                                up_to_last_answer)
+from eagle3_pipeline.data.conversations import (Conversation, InvalidConversation, Skips, image_sources,
+                                                through_first_user_turn, up_to_last_answer)
+from eagle3_pipeline.vision import Vision
 
 
-def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool) -> dict[str, Any]:
+def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool,
+           vision: Vision | None = None) -> dict[str, Any]:
     """One row (`truncated` tells whether `data.max_seq_len` cut it, `loss_tokens_by_kind` counts its trained
-    tokens per kind for the report); raises InvalidConversation.
+    tokens per kind for the report, `image_tokens` its image tokens); raises InvalidConversation. A conversation
+    with images needs the target's `vision`.
 
     `with_prompt` (eval) adds `prompt_ids`: the conversation up to and including the generation prompt of its
     last assistant turn, which stage 06 replays; only that turn is in the loss mask (`served_turns` gives an
@@ -25,14 +34,19 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     nothing from it. An eval row whose prompt does not fit is skipped."""
     prompt_only = with_prompt and not any(m["role"] == "assistant" for m in conversation.messages)
     if prompt_only:
-        layout = template.layout(through_first_user_turn(conversation.messages), generation_prompt=True,
-                                 tools=conversation.tools)
+        messages = through_first_user_turn(conversation.messages)
+        layout = template.layout(messages, generation_prompt=True, tools=conversation.tools)
     else:
-        layout = template.layout(up_to_last_answer(conversation.messages), tools=conversation.tools)
+        messages = up_to_last_answer(conversation.messages)
+        layout = template.layout(messages, tools=conversation.tools)
     segment_ids, loss_mask = template.encode(layout.segments)
     input_ids = [token for ids in segment_ids for token in ids]
     kinds = [segment.kind for segment, ids in zip(layout.segments, segment_ids) for _ in ids]
     prompt_len = sum(len(ids) for ids in segment_ids[: layout.prompt_end])
+    images = [conversation.images[source] for source in image_sources(messages)]
+    if images:
+        (input_ids, loss_mask, kinds), prompt_len, images = _expand_images(
+            vision, images, (input_ids, loss_mask, kinds), prompt_len, data.max_seq_len)
     if with_prompt:  # the served turn alone: earlier answers are context
         loss_mask[:prompt_len], kinds[:prompt_len] = [0] * prompt_len, [None] * prompt_len
     truncated = len(input_ids) > data.max_seq_len
@@ -51,6 +65,8 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
         "seq_len": len(input_ids),
         "truncated": truncated,
         "loss_tokens_by_kind": {kind: kinds[: data.max_seq_len].count(kind) for kind in KINDS},
+        "images": images,
+        "image_tokens": input_ids.count(vision.token_id) if images else 0,
     }
     if with_prompt:
         row["prompt_ids"] = row["input_ids"][:prompt_len]
@@ -67,13 +83,26 @@ def served_turns(conversation: Conversation) -> list[Conversation]:
             for n, i in enumerate(answers, start=1)]
 
 
+def _expand_images(vision: Vision, images: list[bytes], columns: tuple[list, ...], prompt_len: int,
+                   max_len: int) -> tuple[list[list], int, list[bytes]]:
+    """`columns` (ids first) with each image's placeholder repeated as vLLM expands it, the prompt length after
+    expansion, and the images whose tokens all lie within `max_len`."""
+    repeats = vision.repeats(columns[0], images)
+    starts = np.cumsum([0, *repeats])  # where each templated token begins once expanded
+    placeholders = [i for i, token in enumerate(columns[0]) if token == vision.token_id]
+    if any(starts[i] < max_len < starts[i + 1] for i in placeholders):
+        raise InvalidConversation("image_cut_by_max_seq_len")
+    kept = [image for i, image in zip(placeholders, images) if starts[i + 1] <= max_len]
+    return [[x for x, n in zip(column, repeats) for _ in range(n)] for column in columns], int(starts[prompt_len]), kept
+
+
 def to_rows(conversations: list[Conversation], template: ChatTemplate, data: DataConfig, with_prompt: bool,
-            skips: Skips, split: str) -> list[dict[str, Any]]:
+            skips: Skips, split: str, vision: Vision | None = None) -> list[dict[str, Any]]:
     rows = []
     for conversation in tqdm(conversations, desc=f"tokenize {split}", unit="conv"):
         for turn in served_turns(conversation) if with_prompt else [conversation]:
             try:
-                rows.append(to_row(turn, template, data, with_prompt))
+                rows.append(to_row(turn, template, data, with_prompt, vision))
             except InvalidConversation as err:
                 skips.add(err.reason, turn.id)
     return rows

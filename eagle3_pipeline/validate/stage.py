@@ -99,8 +99,8 @@ def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
 
 
 def eval_prompts(config: RunConfig) -> list[EvalPrompt]:
-    """01's eval split, templated prompts (`prompt_ids`, one per served turn) with their source, the first
-    `validate.max_prompts`."""
+    """01's eval split, templated prompts (`prompt_ids`, one per served turn) with their source and images, the
+    first `validate.max_prompts`."""
     from datasets import load_from_disk
 
     data_dir = Path(config.run_dir) / "01_data"
@@ -111,7 +111,8 @@ def eval_prompts(config: RunConfig) -> list[EvalPrompt]:
         raise StageError(f"01_data has no eval prompts ({data_dir}/eval), and 06 measures acceptance on them: set "
                          "data.eval_sources or data.eval_fraction, then rerun the stages from 01_prepare_data.py --force")
     chosen = split.select(range(min(len(split), config.validate_.max_prompts or len(split))))
-    return [EvalPrompt(source, list(ids)) for source, ids in zip(chosen["source"], chosen["prompt_ids"])]
+    return [EvalPrompt(source, list(ids), list(images))
+            for source, ids, images in zip(chosen["source"], chosen["prompt_ids"], chosen["images"])]
 
 
 def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[EvalPrompt]):

@@ -198,10 +198,12 @@ def test_a_regenerated_tool_call_that_differs_ends_the_conversation_there(kimi):
     ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "observation", "value": "42"}]},
      "unanswerable_tool_result"),
     ({"messages": [{"role": "user", "content": "Hi"}], "tools": "{not json"}, "malformed_tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                                {"type": "image_url", "image_url": {"url": "a.png"}}]}]},
-     "images_unsupported"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}, "images_unsupported"),
+    ({"messages": [{"role": "user", "content": "Draw a cat."},
+                   {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}]},
+     "images_unsupported"),  # the draft never writes an image
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "malformed_image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text"}]}]},
+     "non_string_content"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]}, "non_string_content"),
 ])
 def test_bad_agentic_records_are_skipped_by_reason(record, reason):
@@ -211,7 +213,8 @@ def test_bad_agentic_records_are_skipped_by_reason(record, reason):
 
 
 def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, capsys):
-    """01 on the tiny Kimi without regeneration: agentic records kept, an image record skipped by reason,
+    """01 on the tiny Kimi without regeneration: agentic records kept, a record whose image file is missing
+    skipped by reason,
     stats.json and the printed summary split the loss tokens by kind."""
     from eagle3_pipeline import prepare_data
     from eagle3_pipeline.config import load_config
@@ -226,7 +229,7 @@ def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, caps
         "data.eval_fraction=0.0", "data.regenerate.enabled=false", "data.max_seq_len=1024"])
     prepare_data.run(config)
     stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
-    assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["agentic-2"]}}
+    assert stats["skipped"] == {"unreadable_image": {"count": 1, "first_ids": ["agentic-2"]}}
     train = stats["train"]
     assert train["samples"] == 2 and train["image_tokens"] == 0
     assert sum(train["loss_tokens_by_kind"].values()) == train["loss_tokens"]

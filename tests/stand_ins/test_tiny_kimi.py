@@ -1,9 +1,10 @@
 """Tests for the tiny Kimi-K2.5 stand-in (`eagle3_pipeline.stand_ins.tiny_kimi`).
 
-Fast tests check the folder: determinism, tokenizer, chat template, checkpoint layout, and that
-transformers loads it. The `vllm` test starts vLLM CPU once, in a subprocess (vLLM spawns its
-engine, so the code that builds `LLM` must sit under a `__main__` guard), and compares its greedy
-tokens with transformers' on the same prompt ids.
+Fast tests check the folder: determinism, both tokenizers (the fast one and Kimi's remote-code
+tiktoken one: the same ids), chat template, checkpoint layout, and that transformers loads it. The
+`vllm` test starts vLLM CPU once, in a subprocess (vLLM spawns its engine, so the code that builds
+`LLM` must sit under a `__main__` guard), and compares its greedy tokens with transformers' on the
+same prompt ids (the remote-code tokenizer is served by tests/test_pipeline_tiny_kimi.py).
 
     python -m pytest -p no:cacheprovider tests/stand_ins/test_tiny_kimi.py            # all
     python -m pytest -p no:cacheprovider -m vllm tests/stand_ins/test_tiny_kimi.py    # vLLM only
@@ -17,7 +18,9 @@ import pathlib
 
 import pytest
 
-from eagle3_pipeline.stand_ins.tiny_kimi import build
+from eagle3_pipeline.data.chat_template import load_tokenizer
+from eagle3_pipeline.stand_ins import ensure_stand_in
+from eagle3_pipeline.stand_ins.tiny_kimi import ASSETS, build
 from tests.stand_ins.greedy import assert_same_greedy_tokens, vllm_chat_greedy
 
 # Kimi-K2 / K2.5 token ids, from moonshotai's tokenizer_config.json (added_tokens_decoder).
@@ -52,19 +55,30 @@ def model_dir(tiny_kimi_dir) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
+def fast_tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiktoken_tokenizer():
+    return load_tokenizer(ensure_stand_in("tiny-kimi-k25-tiktoken"), trust_remote_code=True)
+
+
+@pytest.fixture(scope="module", params=["fast", "tiktoken"])
+def tokenizer(request, fast_tokenizer, tiktoken_tokenizer):
+    return fast_tokenizer if request.param == "fast" else tiktoken_tokenizer
 
 
 def _file_hashes(folder: pathlib.Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def test_build_is_deterministic(model_dir, tmp_path):
-    build(tmp_path)
-    assert _file_hashes(tmp_path) == _file_hashes(model_dir)
+@pytest.mark.parametrize("name, form", [("tiny-kimi-k25", "fast"), ("tiny-kimi-k25-tiktoken", "tiktoken")])
+def test_build_is_deterministic(name, form, tmp_path):
+    build(tmp_path, tokenizer=form)
+    assert _file_hashes(tmp_path) == _file_hashes(ensure_stand_in(name))
 
 
 # --- tokenizer and chat template ---------------------------------------------------------------
@@ -137,7 +151,7 @@ def test_chat_template_finished_conversation_keeps_no_reasoning(tokenizer):
         {"role": "user", "content": "Bye"},
         {"role": "assistant", "content": "Goodbye!", "reasoning_content": "A farewell."},
     ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     assert text == (
         DEFAULT_SYSTEM
         + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
@@ -148,12 +162,50 @@ def test_chat_template_finished_conversation_keeps_no_reasoning(tokenizer):
 
 
 def test_chat_template_declares_tools_first(tokenizer):
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False)
+    tools = [{"function": {"name": "add", "parameters": {"type": "object"}}, "type": "function"}]  # keys sorted
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools, tokenize=False,
+                                         add_generation_prompt=False)
     assert text == (
-        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"add",'
-        '"parameters":{"type":"object"}}}]<|im_end|>' + DEFAULT_SYSTEM + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        '<|im_system|>tool_declare<|im_middle|>[{"function":{"name":"add","parameters":{"type":"object"}},'
+        '"type":"function"}]<|im_end|>' + DEFAULT_SYSTEM + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
     )
+
+
+# --- the remote-code tokenizer ------------------------------------------------------------------
+
+
+def test_remote_code_tokenizer_is_kimis_class_in_a_folder_like_the_real_one(tiktoken_tokenizer):
+    folder = ensure_stand_in("tiny-kimi-k25-tiktoken")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["auto_map"] == {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    assert not (folder / "tokenizer.json").exists() and (folder / "tiktoken.model").is_file()
+    assert type(tiktoken_tokenizer).__name__ == "TikTokenTokenizer" and len(tiktoken_tokenizer) == 163840
+
+
+def test_remote_code_tokenizer_gives_the_fast_ids(fast_tokenizer, tiktoken_tokenizer):
+    texts = [*(ASSETS / "bpe_corpus.txt").read_text().split("\n\n"),
+             "Prices: 12345 yen, 3.14159; CAPS and MixedCase, don't!  \n\n\t中文字符 école 🙂 <|unused_4242|>"]
+    for text in texts:
+        ids = fast_tokenizer.encode(text, add_special_tokens=False)
+        assert tiktoken_tokenizer.encode(text, add_special_tokens=False) == ids, text
+        assert tiktoken_tokenizer.encode(text) == ids, text  # tiktoken's own path
+        assert tiktoken_tokenizer.decode(ids) == fast_tokenizer.decode(ids) == text
+    # the ids a random model may emit decode alike, specials included
+    every_kind = [0, 255, 4000, 4095, 9999, 163583, 163584, 163606, 163700, 163839]
+    assert tiktoken_tokenizer.decode(every_kind) == fast_tokenizer.decode(every_kind)
+
+
+def test_remote_code_tokenizer_sorts_tool_keys_and_keeps_kimis_defaults(tiktoken_tokenizer, fast_tokenizer):
+    """As Kimi's tokenization_kimi.py: tool declarations render with sorted keys, and without arguments
+    apply_chat_template returns text with the generation prompt; skip_special_tokens drops only the
+    chat-format tokens, so vLLM's reasoning and tool parsers still see <think> and the tool-call markers."""
+    tools = [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "add"}}]
+    chat = [{"role": "user", "content": "Hi"}]
+    sorted_tools = [{"function": {"name": "add", "parameters": {"type": "object"}}, "type": "function"}]
+    expected = fast_tokenizer.apply_chat_template(chat, tools=sorted_tools, tokenize=False, add_generation_prompt=True)
+    assert tiktoken_tokenizer.apply_chat_template(chat, tools=tools) == expected
+    ids = tiktoken_tokenizer.encode("<|im_user|>Hi<|im_end|><think>x</think><|tool_calls_section_begin|>")
+    assert tiktoken_tokenizer.decode(ids, skip_special_tokens=True) == "Hi<think>x</think><|tool_calls_section_begin|>"
 
 
 # --- checkpoint --------------------------------------------------------------------------------
@@ -225,7 +277,7 @@ CONVERSATIONS = [  # (messages, chat template kwargs): instant, default (thinkin
 
 
 @pytest.mark.vllm
-def test_vllm_greedy_matches_transformers(model_dir, tokenizer, tmp_path):
+def test_vllm_greedy_matches_transformers(model_dir, fast_tokenizer, tmp_path):
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -233,4 +285,4 @@ def test_vllm_greedy_matches_transformers(model_dir, tokenizer, tmp_path):
     served = vllm_chat_greedy(model_dir, CONVERSATIONS, GREEDY_TOKENS, tmp_path, limit_mm_per_prompt={"vision_chunk": 0})
     assert served["architecture"] == "KimiK25ForConditionalGeneration"
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert_same_greedy_tokens(model, tokenizer, CONVERSATIONS, served, GREEDY_TOKENS)
+    assert_same_greedy_tokens(model, fast_tokenizer, CONVERSATIONS, served, GREEDY_TOKENS)

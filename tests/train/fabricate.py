@@ -105,7 +105,8 @@ def row(sample: dict, with_prompt: bool) -> dict:
     ids = np.asarray(sample["input_ids"], dtype=np.int32)
     made = {"id": sample["id"], "source": "fabricated", "input_ids": ids,
             "loss_mask": np.asarray(sample["loss_mask"], dtype=np.int8), "seq_len": len(ids), "truncated": False,
-            "loss_tokens_by_kind": {kind: 0 for kind in KINDS} | {"answer": sum(sample["loss_mask"])}}
+            "loss_tokens_by_kind": {kind: 0 for kind in KINDS} | {"answer": sum(sample["loss_mask"])},
+            "images": [], "image_tokens": 0}
     if with_prompt:
         made["prompt_ids"] = ids[: sample["loss_mask"].index(1)]
     return made
