@@ -65,7 +65,7 @@ def train(args, name: str, seed: int) -> dict:
 def render(results: list[dict], command: str) -> str:
     keys = sorted({key for r in results for key in r["simulated_acceptance"] if "_pos" not in key},
                   key=lambda key: ("/" in key, key))
-    lines = [f"# Training choices, by 04's simulated acceptance length", "", f"Command: `{command}`", "",
+    lines = ["# Training choices, by 04's simulated acceptance length", "", f"Command: `{command}`", "",
              "Mean [min, max] over seeds; `al_k3` = all eval turns at k=3, `al_k3/<source>` per eval source.", "",
              "| variant | seeds | " + " | ".join(keys) + " | acc_0 | acc_1 | acc_2 |",
              "|---|---|" + "---|" * (len(keys) + 3)]
