@@ -34,6 +34,14 @@ VARIANTS: dict[str, list[str]] = {
     "ttt3_decay": [f"train.ttt_step_weights={DECAY[:3]}"],
     "lr_2e-3": ["train.learning_rate=2.0e-3"],
     "lr_5e-4": ["train.learning_rate=5.0e-4"],
+    "muon": ["train.optimizer=muon"],
+    "standardize_aux": ["train.standardize_aux=true"],
+    "frozen_lm_head": ["train.freeze_lm_head=true"],
+    "muon+standardize_aux": ["train.optimizer=muon", "train.standardize_aux=true"],
+    # speculators' layout (its three norm flags, read by vLLM from config.json): not the reference's semantics
+    "specnorms": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true"],
+    "specnorms+muon": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
+                       "train.optimizer=muon"],
 }
 
 
@@ -47,7 +55,7 @@ def train(args, name: str, seed: int) -> dict:
     manifest = folder / "04_train" / "manifest.json"
     seconds = None
     if not manifest.exists():
-        overrides = [f"run_dir={folder}", f"train.seed={seed}", *VARIANTS[name]]
+        overrides = [f"run_dir={folder}", f"train.seed={seed}", *args.set, *VARIANTS[name]]
         command = [sys.executable, "04_train.py", "--config", str(args.config)]
         for override in overrides:
             command += ["--set", override]
@@ -90,6 +98,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True, help="the config that run was made with")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--set", nargs="*", default=[], help="overrides for every variant (e.g. train.max_steps=128)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "train_levers")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "train_levers")
     args = parser.parse_args()
