@@ -40,6 +40,11 @@ VARIANTS: dict[str, list[str]] = {
     "muon+standardize_aux": ["train.optimizer=muon", "train.standardize_aux=true"],
     # speculators' layout (its three norm flags, read by vLLM from config.json): not the reference's semantics
     "specnorms": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true"],
+    "standardize_aux+lr_2e-3": ["train.standardize_aux=true", "train.learning_rate=2.0e-3"],
+    "standardize_aux+min_lr_0": ["train.standardize_aux=true", "train.min_lr_ratio=0.0"],
+    "standardize_aux+beta2_0.999": ["train.standardize_aux=true", "train.adam_betas=[0.9, 0.999]"],
+    "specnorms+lr_2e-3": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
+                          "train.learning_rate=2.0e-3"],
     "specnorms+muon": ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
                        "train.optimizer=muon"],
 }

@@ -74,7 +74,7 @@ class Eagle3Draft(Eagle3DraftModel):
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         elif getattr(self, "aux_scale", None) is not None:  # `train.standardize_aux`; folded into fc at export
-            aux = aux * self.aux_scale
+            aux = aux * self.aux_scale.to(aux.dtype)  # bf16 states stay bf16: no float32 copy
         hidden = self.fc(aux)
         cache = DynamicCache()
         tokens, loss, stats, top1 = input_ids, 0.0, [], []
