@@ -97,12 +97,17 @@ class ServedTurn:
     answer_tokens: int  # tokens after the prompt
 
 
+def is_served(sample: dict) -> bool:
+    """An eval row with an answer to replay (a prompt alone has none)."""
+    return sample["seq_len"] > sample["prompt_len"]
+
+
 def served_turns(samples: list[dict]) -> list[ServedTurn]:
     """The served turns of one pack's samples (`source`, `seq_len`, `prompt_len`), in pack order; rows as
     data.py lays them out (each sample gives seq_len - 1 rows)."""
     turns, offset = [], 0
     for sample in samples:
-        if sample["seq_len"] > sample["prompt_len"]:  # a prompt alone (no answer) has nothing to replay
+        if is_served(sample):
             turns.append(ServedTurn(sample["source"], offset + sample["prompt_len"] - 1,
                                     sample["seq_len"] - sample["prompt_len"]))
         offset += sample["seq_len"] - 1

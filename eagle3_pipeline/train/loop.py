@@ -30,7 +30,7 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_ident
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
                                     shares_folder)
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, replay_batch, target_proposals
+from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, is_served, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
@@ -351,7 +351,7 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
           f"= {train.max_steps * packs_per_step / epoch_packs:.2f} epochs; starting at step {start_step}")
     if inputs.simulated_ks:
         print(f"04_train: eval simulates vLLM's acceptance at k = {inputs.simulated_ks} on "
-              f"{sum(s['seq_len'] > s['prompt_len'] for s in inputs.eval_samples)} served turns, up to "
+              f"{sum(map(is_served, inputs.eval_samples))} served turns, up to "
               f"validate.max_tokens {config.validate_.max_tokens} tokens each")
     elif inputs.eval_rows is not None:
         print("04_train: eval does not simulate acceptance: the eval answers are not the target's greedy ones "
