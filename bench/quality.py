@@ -384,7 +384,8 @@ def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
                 "skipped_parameters": sorted({p for run in runs for p in run["skipped_parameters"]}),
                 "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}"] for r in mine]),
                 "by_source": {source: {
-                    "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"] for run in runs]),
+                    "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"]
+                                                      for run in runs]),
                     "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}/{source}"] for r in mine]),
                     "acceptance_per_position": [statistics.fmean(run["by_source"][source]["acceptance_per_position"][i]
                                                                  for run in runs) for i in range(k)],
@@ -468,7 +469,8 @@ def benchmark_table(report: dict) -> list[str]:
     fmt = lambda s: f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"  # noqa: E731
     sources = list(res["ours"]["k"][str(ks[0])]["by_source"])
     prompts = {source: res["ours"]["k"][str(ks[0])]["by_source"][source]["prompts"] for source in sources}
-    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated" for k in ks for source in sources]
+    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated"
+                                      for k in ks for source in sources]
     header += [f"all k={k} | simulated" for k in ks]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---|---|" * (len(ks) * (len(sources) + 1))]
     for name in MAIN:
@@ -494,7 +496,8 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`  ",
         f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
-        f"its phases: stages 01-03, {len(MAIN) * len(report['seeds'])} trainings, {len(report['ks']) * len(report['seeds']) * len(MAIN)} vLLM engine runs, "
+        f"its phases: stages 01-03, {len(MAIN) * len(report['seeds'])} trainings, "
+        f"{len(report['ks']) * len(report['seeds']) * len(MAIN)} vLLM engine runs, "
         f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
         f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
         f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(

@@ -47,8 +47,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self._share()
 
     def _share(self) -> None:
-        muon_groups = len(self.muon.param_groups)
-        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:muon_groups], self.param_groups[muon_groups:]
+        split = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:split], self.param_groups[split:]
         self.muon.state = self.adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
