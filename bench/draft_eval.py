@@ -14,6 +14,10 @@ Per TTT step k it reports
                  the tokens fed to step k are then the draft's own, so this is the teacher-forced
                  counterpart of vLLM's acceptance at position k+1
     loss_k       forward KL(verifier || draft) over the draft vocabulary
+
+and, at each k of `ks`, the acceptance length vLLM would measure with greedy chain drafting, replayed on the
+eval split's greedy answers exactly as 04's eval does (eagle3_pipeline/train/acceptance.py): `al_k<k>`,
+`al_k<k>_pos<i>`, and both per eval source (`/<source>`).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3_pipeline.pack_plan import plan_packs
+from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.data import PackedRows
 from eagle3_pipeline.train.draft_model import VerifierTargets
+from eagle3_pipeline.train.loop import served_samples
 
 
 def load_draft(folder: Path, weight_prefix: str = ""):
@@ -59,6 +65,7 @@ class EvalRows:
         rows_per_sample = np.asarray(split["seq_len"], dtype=np.int64) - 1
         self.rows = PackedRows(split, states, packed_length, aux_width=0, hidden_size=0)
         self.packs = plan_packs(rows_per_sample, packed_length, seed=[0])
+        self.samples = served_samples(split)  # source, seq_len, prompt_len per eval row
         self._batches = None
 
     def batches(self, aux_width: int, hidden_size: int):
@@ -73,8 +80,9 @@ class EvalRows:
 
 
 @torch.no_grad()
-def unroll(model, batch: dict, ttt_steps: int) -> torch.Tensor:
-    """[4, ttt_steps] sums over the batch: kl_sum, correct, chain_correct, count."""
+def unroll(model, batch: dict, ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[4, ttt_steps] sums over the batch (kl_sum, correct, chain_correct, count) and the draft's top-1 per
+    step and row [B, ttt_steps, L] (draft vocab ids, -1 past the rows a step has)."""
     cfg = model.config
     document_ids, loss_mask = batch["document_ids"], batch["loss_mask"]
     masks = ttt_masks(document_ids, ttt_steps, "sdpa")
@@ -91,6 +99,7 @@ def unroll(model, batch: dict, ttt_steps: int) -> torch.Tensor:
     length = tokens.shape[1]
     chain = torch.ones_like(loss_mask, dtype=torch.bool)  # row t: steps 0..k-1 all correct
     out = torch.zeros(4, ttt_steps)
+    top1 = []
     for step in range(ttt_steps):
         hidden = torch.cat([model.embed_tokens(tokens).to(hidden.dtype), hidden], dim=-1)
         positions = batch["position_ids"] + step
@@ -106,19 +115,29 @@ def unroll(model, batch: dict, ttt_steps: int) -> torch.Tensor:
         _, stats, _ = target.distill(logits, loss_mask, document_ids, step)  # kl_sum, correct, count
         rows = length - step
         counted = loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
-        correct = logits[:, :rows].argmax(-1) == target.top1[:, step:]
+        top1.append(F.pad(logits[:, :rows].argmax(-1), (0, step), value=-1))
+        correct = top1[-1][:, :rows] == target.top1[:, step:]
         chain = chain[:, :rows] & correct
         out[:, step] = torch.stack([stats[0], stats[1], (chain & counted).sum().float(), stats[2]])
         tokens = F.pad(tokens[:, 1:], (0, 1))
-    return out
+    return out, torch.stack(top1, dim=1)
 
 
-def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int) -> dict[str, float]:
+def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = (), max_tokens: int = 0
+             ) -> dict[str, float]:
+    """Teacher-forced figures per TTT step, and the simulated acceptance at each k of `ks` (answers cut at
+    `max_tokens`, as 06 serves them)."""
     model = load_draft(folder)
     aux_width = model.fc.in_features
-    totals = torch.zeros(4, ttt_steps)
-    for batch in eval_rows.batches(aux_width, model.hidden_size):
-        totals += unroll(model, batch, ttt_steps)
+    steps = max([ttt_steps, *ks])  # a k past the trained steps unrolls the chain further
+    totals = torch.zeros(4, steps)
+    sources = dict.fromkeys(sample["source"] for sample in eval_rows.samples)
+    chains = {(source, k): ChainCounts(k) for source in sources for k in ks}
+    for batch, pack in zip(eval_rows.batches(aux_width, model.hidden_size), eval_rows.packs):
+        batch_totals, top1 = unroll(model, batch, steps)
+        totals += batch_totals
+        if chains:
+            replay_batch(target_proposals(top1, model.d2t), batch, [pack], eval_rows.samples, max_tokens, chains)
     kl, correct, chain, count = totals.double()
     count = count.clamp(min=1)
     values = {}
@@ -126,4 +145,4 @@ def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int) -> dict[str, flo
         values[f"acc_{k}"] = float(correct[k] / count[k])
         values[f"chain_acc_{k}"] = float(chain[k] / count[k])
         values[f"loss_{k}"] = float(kl[k] / count[k])
-    return values
+    return values | chain_metrics(chains)

@@ -3,34 +3,43 @@
     HF_HUB_OFFLINE=1 .venv/bin/python bench/quality.py                  # the whole bench, one command
 
 From one shared run of stages 01-03 on the demo target (SmolLM2-135M-Instruct, configs/demo.yaml), for each
-seed it trains two drafts of the same shape (hidden 576, 9 heads x 64, 3 KV heads, MLP 1536, draft vocab 4096,
-aux layers [2, 15, 27]) on the same data and the same number of training tokens:
+seed it trains the 2 x 2 of trainer x layout, drafts of the same shape (hidden 576, 9 heads x 64, 3 KV heads,
+MLP 1536, draft vocab 4096, aux layers [2, 15, 27]) on the same data and the same number of training tokens:
 
-    ours          04_train.py (train.seed = seed), exported by 05_export.py; vLLM serves 05_export/reference/
-    speculators   `speculators train` (bench/speculators_trainer.py: its CLI entry, CPU workarounds applied
-                  from the outside) on our 01 token ids / loss masks, our 02 hidden states and our 03 d2t/t2d,
-                  its defaults except: the batch shape (--total-seq-len = our packed_length, so both take the
-                  same optimizer steps), the token budget (--max-steps/--epochs from its own sampler's batches),
-                  the CPU-forced flags (sdpa attention, eager loss, no loader workers) and float32 (our CPU
-                  precision); vLLM serves its final checkpoint (config.json + model.safetensors) directly
+    ours                  04_train.py (train.seed = seed), the config's training choices, exported by
+                          05_export.py; vLLM serves 05_export/reference/ (the reference layout: every norm flag
+                          off, what configs/kimi_k25.yaml exports)
+    ours+specnorms        the same with speculators' three norm flags (norm_before_fc, norm_output,
+                          norm_before_residual: speculators' layout; vLLM reads them from config.json)
+    speculators           `speculators train` (bench/speculators_trainer.py: its CLI entry, CPU workarounds applied
+                          from the outside) on our 01 token ids / loss masks, our 02 hidden states and our 03
+                          d2t/t2d, its defaults except: the batch shape (--total-seq-len = our packed_length, so
+                          both take the same optimizer steps), the token budget (--max-steps/--epochs from its own
+                          sampler's batches), the CPU-forced flags (sdpa attention, eager loss, no loader workers)
+                          and float32 (our CPU precision); vLLM serves its final checkpoint directly
+    speculators+refnorms  the same with its three norm flags off: the reference layout
 
-then measures both with 06's vLLM acceptance run (`eagle3_pipeline.validate.acceptance.serve`, one engine per
-k) on the same held-out eval prompts, at each k of --ks, and both with one shared teacher-forced evaluator on
-our eval split (bench/draft_eval.py: step-0..2 accuracy, chained accuracy, KL). Every figure is the mean over
-the seeds, with min/max/std. Writes bench/results/quality.json, quality.md and quality.png.
+then measures every draft with 06's vLLM acceptance run (`eagle3_pipeline.validate.acceptance.serve`, one engine
+per k) on the same held-out eval prompts (06's: every served turn of the eval split, MT-Bench and HumanEval
+counted apart), at each k of --ks, and with one shared teacher-forced evaluator on our eval split
+(bench/draft_eval.py: step-0..2 accuracy, chained accuracy, KL, and the acceptance length 04's eval simulates,
+per eval source, beside vLLM's). Every figure is the mean over the seeds, with min/max/std. Writes
+bench/results/quality.json, quality.md and quality.png.
 
 Work is kept under --run-dir (default runs/bench_quality): a rerun skips what is complete (stages no-op, runs
 cached in bench_*.json files); --force-train retrains and remeasures. Options:
 
-    --seeds 0 1  --ks 3 5  --max-prompts 32  --max-tokens 64  --config configs/demo.yaml
+    --seeds 0 1 2  --ks 3 5  --max-prompts all  --max-tokens 48  --config configs/demo.yaml
     --max-steps 128                  the training budget: our optimizer steps of one 1024-row pack (speculators
                                      gets the same tokens); 'config' = the config's train.max_steps
     --reuse-01 runs/demo/01_data     copy a finished 01_data of the same config instead of generating it
-    --variants NAME ... [--variant-seeds 0 --variant-ks 3]   ablations (see ABLATIONS), measured like the two
+    --variants NAME ... [--variant-seeds 0 --variant-ks 3]   ablations (see ABLATIONS), measured like the four
     --train-only                     stop after the trainings (e.g. to train ablations while engines run)
 
-The work folder is runs/bench_quality/<hash of the config's stage sections>/ (config.yaml inside): an edited
-config gets a fresh one; `--config runs/bench_quality/<hash>/config.yaml` reruns (or extends) an earlier one.
+The work folder is runs/bench_quality/<hash of the sections stages 01-03 read>/ (config.yaml inside): a config
+edited there gets a fresh one. Each draft's folder in it, <name>_seed<seed>_<hash>, is named by what that draft
+depends on besides (ours: its draft/train/export sections; speculators': the token budget, batch shape, flags),
+so an edited train: section retrains our drafts and keeps the stages and speculators' drafts.
 """
 
 from __future__ import annotations
@@ -50,22 +59,29 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 PY = sys.executable
-MAIN = ("ours", "speculators")
-FINGERPRINTED = ("target", "data", "capture", "vocab", "draft", "train", "export")
+# speculators' three norm flags for our trainer (norm_before_fc normalises what train.standardize_aux would scale)
+SPECULATORS_NORMS = ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
+                     "train.standardize_aux=false"]
+REFERENCE_NORMS = ["--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual"]
+# The 2 x 2: name -> (trainer, layout, extra config overrides (ours) or extra `speculators train` flags)
+DRAFTS: dict[str, tuple[str, str, list[str]]] = {
+    "ours": ("ours", "reference", []),
+    "ours+specnorms": ("ours", "speculators", SPECULATORS_NORMS),
+    "speculators": ("speculators", "speculators", []),
+    "speculators+refnorms": ("speculators", "reference", REFERENCE_NORMS),
+}
+MAIN = tuple(DRAFTS)
+SHARED_SECTIONS = ("target", "data", "capture", "vocab", "draft")  # what stages 01-03 and the shape depend on
+DRAFT_SECTIONS = ("draft", "train", "export")  # what one of our drafts depends on beyond them
 SHARED_STAGES = ("01_prepare_data.py", "02_generate_hidden_states.py", "03_build_vocab_map.py")
-# Ablations (measured like the two trainers, to explain a gap, never to tune the bench): one trainer with one
-# setting moved to the other trainer's choice. (trainer, extra config overrides or extra `speculators train` flags)
+# Ablations (measured like the four, to back or explain a choice, never to tune the bench): one draft with one
+# setting moved. (trainer, extra config overrides or extra `speculators train` flags)
 ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "speculators+adamw": ("speculators", ["--optimizer", "adamw"]),  # its Muon -> AdamW (its lr, wd, schedule)
-    "speculators+refnorms": ("speculators", ["--no-norm-before-fc", "--no-norm-output", "--no-norm-before-residual"]),
     "speculators+lmhead": ("speculators", ["--bench-train-lm-head"]),  # its frozen lm_head trained, as ours
-    # both of the above: AdamW, and our reference norms (what is left is lm_head, schedule, weight decay)
-    "speculators+adamw+refnorms": ("speculators", ["--optimizer", "adamw", "--no-norm-before-fc", "--no-norm-output",
-                                                   "--no-norm-before-residual"]),
     "ours+normres": ("ours", ["draft.norm_before_residual=true"]),  # speculators' norm_before_residual default
-    # speculators' three norm defaults (the reverse of speculators+refnorms); vLLM reads them from config.json
-    "ours+specnorms": ("ours", ["draft.norm_before_fc=true", "draft.norm_output=true",
-                                "draft.norm_before_residual=true"]),
+    # our training choice taken back (configs/demo.yaml's train.standardize_aux)
+    "ours-standardize": ("ours", ["train.standardize_aux=false"]),
 }
 
 
@@ -184,9 +200,12 @@ def shared_stages(args, clock: Clock, shared: Path) -> dict[str, float]:
 
 def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: list[str]) -> dict:
     from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stage_io import fingerprint
 
-    run_dir = args.run_dir / f"{name}_seed{seed}"
-    overrides = [f"run_dir={run_dir}", f"train.seed={seed}", *args.budget, *extra]
+    overrides = [f"train.seed={seed}", *args.budget, *extra]
+    resolved = load_config(args.config, overrides)  # an edited train: section gets a fresh folder
+    run_dir = args.run_dir / f"{name}_seed{seed}_{fingerprint({s: resolved.section(s) for s in DRAFT_SECTIONS})[:6]}"
+    overrides.insert(0, f"run_dir={run_dir}")
     record = cached(run_dir / "bench_train.json", args.force_train)
     if record is None:
         link_shared(run_dir, shared)
@@ -205,6 +224,8 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
             "train_tokens_planned": our_token_budget(config), "optimizer_steps": config.train.max_steps,
             "own_eval": {k: v for k, v in eval_records[-1].items() if k.startswith(("acc_", "loss_"))},
             "own_eval_definition": "04 metrics.jsonl, last eval record: teacher-forced top-1 agreement per TTT step",
+            # 04's own simulated acceptance (fp32 checkpoint): the shared evaluator's, on the bf16 export, beside it
+            "simulated_by_04": manifest["counts"].get("simulated_acceptance"),
             "export": str(run_dir / "05_export" / "reference"),
             "export_speculators": str(run_dir / "05_export" / "speculators"),
         }
@@ -217,9 +238,12 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
                       extra: list[str] = ()) -> dict:
     from bench.speculators_trainer import train_batches, write_dataset
 
+    from eagle3_pipeline.stage_io import fingerprint
+
     data_dir = args.run_dir / "speculators_data"
     facts = write_dataset(shared, data_dir)
-    run_dir = args.run_dir / f"{name}_seed{seed}"
+    inputs = {"budget": budget, "packed_length": config.train.packed_length, "extra": list(extra)}
+    run_dir = args.run_dir / f"{name}_seed{seed}_{fingerprint(inputs)[:6]}"
     record = cached(run_dir / "bench_train.json", args.force_train)
     if record is not None:
         clock.phase(f"train {name} seed {seed}", record["train_wall_s"])
@@ -296,7 +320,8 @@ def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -
         values = cached(path, args.force_train)
         if values is None:
             rows = rows or EvalRows(shared, config.train.packed_length)
-            values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps)
+            values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, args.ks,
+                              config.validate_.max_tokens)
             save(path, values)
         record["shared_eval"] = values
     clock.phase("shared teacher-forced eval", time.perf_counter() - started)
@@ -316,6 +341,10 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
             "acceptance_per_position": run.acceptance_per_position, "counters": run.counters,
             "generate_s": round(run.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
             "generated_tokens": run.generated_tokens, "skipped_parameters": run.skipped_parameters,
+            "by_source": {source: {"mean_acceptance_length": counts.mean_acceptance_length,
+                                   "acceptance_per_position": counts.acceptance_per_position,
+                                   "num_drafts": counts.counters["num_drafts"], "prompts": counts.prompts}
+                          for source, counts in run.by_source.items()},
             "outputs": run.outputs,
         }
         save(path, result)
@@ -331,6 +360,7 @@ def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
     for trainer in trainers:
         mine = [r for r in records if r["trainer"] == trainer]
         entry = {
+            "trainer": mine[0]["trainer_kind"], "layout": mine[0]["layout"],
             "seeds": [r["seed"] for r in mine],
             "train_wall_s": spread([r["train_wall_s"] for r in mine]),
             "train_tokens": spread([r["train_tokens"] for r in mine]),
@@ -352,6 +382,15 @@ def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
                 "acceptance_per_position_max": [max(p) for p in positions],
                 "num_drafts": [run["counters"]["num_drafts"] for run in runs],
                 "skipped_parameters": sorted({p for run in runs for p in run["skipped_parameters"]}),
+                "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}"] for r in mine]),
+                "by_source": {source: {
+                    "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"]
+                                                      for run in runs]),
+                    "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}/{source}"] for r in mine]),
+                    "acceptance_per_position": [statistics.fmean(run["by_source"][source]["acceptance_per_position"][i]
+                                                                 for run in runs) for i in range(k)],
+                    "prompts": runs[0]["by_source"][source]["prompts"],
+                } for source in runs[0]["by_source"]},
             }
         out[trainer] = entry
     return out
@@ -379,22 +418,28 @@ def identical_outputs(records: list[dict], ks: list[int]) -> dict:
 
 
 def comparison_lines(report: dict) -> list[str]:
-    """Ours minus speculators per k and per eval metric, and each ablation against its base trainer."""
+    """The two targets (ours in the reference layout >= speculators' defaults; ours in speculators' layout >= 5%
+    ahead of them), per k and eval source, then each ablation against its base draft."""
     res, ks = report["results"], report["ks"]
     if not all(t in res for t in MAIN):
         return []
-    ours, spec = res["ours"], res["speculators"]
+    spec = res["speculators"]
     out = []
-    for k in ks:
-        a, b = ours["k"][str(k)], spec["k"][str(k)]
-        da = a["mean_acceptance_length"] - b["mean_acceptance_length"]
-        out.append(f"k={k}: mean acceptance length ours {a['mean_acceptance_length']:.3f} vs speculators "
-                   f"{b['mean_acceptance_length']:.3f} ({da:+.3f}, {100 * da / b['mean_acceptance_length']:+.1f}%; "
-                   f"ours' worst seed {a['mean_acceptance_length_spread']['min']:.3f} vs its best "
-                   f"{b['mean_acceptance_length_spread']['max']:.3f}); position 1 acceptance "
-                   f"{a['acceptance_per_position'][0]:.3f} vs {b['acceptance_per_position'][0]:.3f}")
+    for name, needed in (("ours", 1.0), ("ours+specnorms", 1.05)):
+        for k in ks:
+            for scope, pick in [("all prompts", lambda e: e["k"][str(k)]["mean_acceptance_length_spread"])] + [
+                    (source, lambda e, source=source: e["k"][str(k)]["by_source"][source]["mean_acceptance_length"])
+                    for source in spec["k"][str(k)]["by_source"]]:
+                a, b = pick(res[name]), pick(spec)
+                ratio = a["mean"] / b["mean"]
+                every = all(v > b["mean"] * needed for v in a["per_seed"])
+                out.append(f"k={k}, {scope}: {name} ({res[name]['layout']} layout) {a['mean']:.3f} vs speculators "
+                           f"{b['mean']:.3f} ({100 * (ratio - 1):+.1f}%; target {100 * (needed - 1):+.0f}%: "
+                           f"{'met' if ratio >= needed else 'missed'}; every seed of {name} above "
+                           f"{needed:.2f} x speculators' mean: {'yes' if every else 'no'}, worst seed {a['min']:.3f})")
+    ours = res["ours"]
     se_o, se_s = ours["shared_eval"], spec["shared_eval"]
-    out.append("teacher-forced (shared evaluator): " + ", ".join(
+    out.append("teacher-forced (shared evaluator), ours vs speculators: " + ", ".join(
         f"acc_{k} {se_o[f'acc_{k}']['mean']:.3f} vs {se_s[f'acc_{k}']['mean']:.3f}" for k in range(report["ttt_steps"])))
     out.append(f"training wall time ours {ours['train_wall_s']['mean']:.0f} s vs speculators "
                f"{spec['train_wall_s']['mean']:.0f} s for {ours['train_tokens']['mean']:.0f} vs "
@@ -403,19 +448,43 @@ def comparison_lines(report: dict) -> list[str]:
     for name, (base, _) in ABLATIONS.items():
         if name not in res:
             continue
-        e, b = res[name], res[base]
+        e = res[name]
         seeds = e["seeds"]
         base_runs = [r for r in report["runs"] if r["trainer"] == base and r["seed"] in seeds]
-        base_acc0 = statistics.fmean(r["shared_eval"]["acc_0"] for r in base_runs)
-        line = (f"ablation {name} (seed {','.join(map(str, seeds))}): acc_0 {e['shared_eval']['acc_0']['mean']:.3f} "
-                f"vs {base} {base_acc0:.3f} at the same seed(s)")
+        line = f"ablation {name} (seed {','.join(map(str, seeds))}) vs {base} at the same seed(s)"
         for k in ks:
             if str(k) in e["k"]:
                 base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
+                base_sim = statistics.fmean(r["shared_eval"][f"al_k{k}"] for r in base_runs)
                 line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
-                         f"{base_mal:.3f}")
+                         f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
+                         f" vs {base_sim:.3f})")
         out.append(line)
     return [f"- {line}" for line in out]
+
+
+def benchmark_table(report: dict) -> list[str]:
+    """Mean acceptance length per eval source and k, vLLM's and the simulated one, per draft of the 2 x 2."""
+    res, ks = report["results"], report["ks"]
+    fmt = lambda s: f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"  # noqa: E731
+    sources = list(res["ours"]["k"][str(ks[0])]["by_source"])
+    prompts = {source: res["ours"]["k"][str(ks[0])]["by_source"][source]["prompts"] for source in sources}
+    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated"
+                                      for k in ks for source in sources]
+    header += [f"all k={k} | simulated" for k in ks]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---|---|" * (len(ks) * (len(sources) + 1))]
+    for name in MAIN:
+        e = res[name]
+        cells = [e["trainer"], e["layout"]]
+        for k in ks:
+            for source in sources:
+                by = e["k"][str(k)]["by_source"][source]
+                cells += [fmt(by["mean_acceptance_length"]), fmt(by["simulated_mean_acceptance_length"])]
+        for k in ks:
+            cells += [fmt(e["k"][str(k)]["mean_acceptance_length_spread"]),
+                      fmt(e["k"][str(k)]["simulated_mean_acceptance_length"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -423,17 +492,24 @@ def markdown(report: dict) -> str:
     ttt = report["ttt_steps"]
     fmt = lambda s, d=3: f"{s['mean']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
     lines = [
-        "# Draft quality: our trainer vs speculators 0.9.0's `speculators train`",
+        "# Draft quality: our trainer vs speculators 0.9.0's `speculators train`, each in both layouts",
         "",
         f"Command: `{report['command']}`  ",
         f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
-        f"its phases: stages 01-03, {2 * len(report['seeds'])} trainings, {len(report['ks']) * len(report['seeds']) * 2} vLLM engine runs, "
+        f"its phases: stages 01-03, {len(MAIN) * len(report['seeds'])} trainings, "
+        f"{len(report['ks']) * len(report['seeds']) * len(MAIN)} vLLM engine runs, "
         f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
         f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
         f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(
             f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min" for i in report.get("invocations", [])) + "); target " f"{report['target']}; seeds "
         f"{report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, greedy, "
         "vLLM acceptance counters (06's `serve`). Figures: mean [min, max] over the seeds.",
+        "",
+        "Mean acceptance length per held-out eval source (served turns in brackets; MT-Bench both turns, the "
+        "second after the target's own first answer; HumanEval's first 16 problems, never trained on), vLLM's "
+        "counters beside 04's simulation (bench/draft_eval.py replaying greedy chain drafting on the same answers):",
+        "",
+        *benchmark_table(report),
         "",
         "| trainer | train wall s | train tokens | steps | " + " | ".join(
             f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
@@ -536,13 +612,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_quality"))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
     parser.add_argument("--max-steps", default="128", help="optimizer steps of our trainer (1024-row packs; speculators "
                         "gets the same tokens): the bench's training budget, sized for 45 minutes on 2 CPU cores; "
                         "'config' = the config's train.max_steps")
-    parser.add_argument("--max-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-prompts", default="all", help="06's eval prompts served (the first N; all = every "
+                        "served turn of the eval split)")
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
     parser.add_argument("--reuse-01", type=Path, help="copy this finished 01_data (same config) instead of running 01")
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(ABLATIONS), help="ablations of ours")
@@ -560,14 +637,16 @@ def main() -> None:
     from eagle3_pipeline.stage_io import fingerprint
 
     clock = Clock()
-    # one work folder per config content: an edited config never meets stale stage outputs
+    # one work folder per content of the sections stages 01-03 read: an edited config never meets stale stage
+    # outputs; within it each draft's folder is named by what it depends on (see train_ours, train_speculators)
     args.budget = [] if args.max_steps == "config" else [f"train.max_steps={int(args.max_steps)}"]
     base = load_config(args.config, args.budget)
-    args.run_dir = args.run_dir / fingerprint({s: base.section(s) for s in FINGERPRINTED})[:10]
+    args.run_dir = args.run_dir / fingerprint({s: base.section(s) for s in SHARED_SECTIONS})[:10]
     shared = args.run_dir / "shared"
-    config = load_config(args.config, [f"run_dir={shared}", f"validate.max_prompts={args.max_prompts}",
+    max_prompts = "null" if args.max_prompts == "all" else int(args.max_prompts)
+    config = load_config(args.config, [f"run_dir={shared}", f"validate.max_prompts={max_prompts}",
                                        f"validate.max_tokens={args.max_tokens}", *args.budget])
-    if not (args.run_dir / "config.yaml").exists():  # the config this work folder holds, for a rerun after edits
+    if not (args.run_dir / "config.yaml").exists():  # the config this work folder's stages ran with
         import yaml
 
         dumped = base.model_dump(mode="json", by_alias=True)
@@ -578,17 +657,17 @@ def main() -> None:
 
     records = []
     for seed in args.seeds:
-        records.append(train_ours(args, clock, shared, "ours", seed, []))
-        budget = records[-1]["train_tokens_planned"]
-        records.append(train_speculators(args, clock, shared, seed, budget, config))
-        for variant in args.variants:
-            if seed not in (args.variant_seeds or args.seeds):
-                continue
-            trainer, extra = ABLATIONS[variant]
+        budget = None  # the training tokens of ours at this seed: speculators' runs get as many
+        drafts = [(name, trainer, layout, extra) for name, (trainer, layout, extra) in DRAFTS.items()]
+        drafts += [(name, trainer, DRAFTS[trainer][1], extra) for name, (trainer, extra) in ABLATIONS.items()
+                   if name in args.variants and seed in (args.variant_seeds or args.seeds)]
+        for name, trainer, layout, extra in drafts:
             if trainer == "ours":
-                records.append(train_ours(args, clock, shared, variant, seed, extra))
+                record = train_ours(args, clock, shared, name, seed, extra)
+                budget = budget or record["train_tokens_planned"]
             else:
-                records.append(train_speculators(args, clock, shared, seed, budget, config, variant, extra))
+                record = train_speculators(args, clock, shared, seed, budget, config, name, extra)
+            records.append(record | {"trainer_kind": trainer, "layout": layout})
     if args.train_only:
         clock.say("--train-only: trainings done")
         return
@@ -634,6 +713,14 @@ def main() -> None:
 
 
 NOTES: list[str] = [
+    "Layouts: reference = every norm flag off (the AQ-MedAI checkpoint's semantics, what configs/kimi_k25.yaml "
+    "exports: fc reads the raw aux states, the residual is taken before hidden_norm, the next step reads the "
+    "pre-norm state); speculators = norm_before_fc, norm_output, norm_before_residual on (an input_norm tensor "
+    "more; vLLM reads the flags from config.json). ours = configs/demo.yaml's train: section; ours+specnorms the "
+    "same with the three flags; speculators+refnorms = speculators' defaults with the three flags off.",
+    "Simulated = bench/draft_eval.py replaying greedy chain drafting on the eval split's greedy answers (04's "
+    "eval, eagle3_pipeline/train/acceptance.py) for every draft folder vLLM serves, bf16 weights as exported; "
+    "quality.json keeps 04's own figure for our drafts (fp32 checkpoint) beside it (`simulated_by_04`).",
     "Same inputs: both trainers read our 01 token ids and loss masks, our 02 hidden states (aux layers "
     "[2, 15, 27], vLLM convention, = speculators' default [2, L//2, L-3]) and our 03 d2t/t2d (our 03 selects "
     "exactly as speculators' build_vocab_mappings_from_distribution: top-4096 loss-masked train tokens, ties to "

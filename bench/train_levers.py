@@ -27,13 +27,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SHARED = ("01_data", "02_hidden_states", "03_vocab")
 DECAY = [round(0.8 ** k, 4) for k in range(7)]  # the EAGLE-3 reference code's step weights
+RAW_AUX = "train.standardize_aux=false"  # fc on the raw aux states (the configs' choice before standardize_aux)
+SPECULATORS_NORMS = ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true", RAW_AUX]
 VARIANTS: dict[str, list[str]] = {
-    "baseline": [],
+    "baseline": [],  # the config's own choices
+    "raw_aux": [RAW_AUX],
+    "standardize_aux": ["train.standardize_aux=true"],
     "ttt5_decay": ["train.ttt_steps=5", f"train.ttt_step_weights={DECAY[:5]}"],
     "ttt7_decay": ["train.ttt_steps=7", f"train.ttt_step_weights={DECAY}"],
     "ttt3_decay": [f"train.ttt_step_weights={DECAY[:3]}"],
     "lr_2e-3": ["train.learning_rate=2.0e-3"],
     "lr_5e-4": ["train.learning_rate=5.0e-4"],
+    "standardize_aux+lr_2e-3": ["train.standardize_aux=true", "train.learning_rate=2.0e-3"],
+    "standardize_aux+min_lr_0": ["train.standardize_aux=true", "train.min_lr_ratio=0.0"],
+    "muon": ["train.optimizer=muon", RAW_AUX],  # speculators' optimizer
+    "muon+standardize_aux": ["train.optimizer=muon", "train.standardize_aux=true"],
+    "frozen_lm_head": ["train.freeze_lm_head=true", RAW_AUX],  # speculators freezes it
+    # speculators' layout (its three norm flags, read by vLLM from config.json): not the reference's semantics
+    "specnorms": SPECULATORS_NORMS,
+    "specnorms+muon": [*SPECULATORS_NORMS, "train.optimizer=muon"],
 }
 
 
@@ -47,7 +59,7 @@ def train(args, name: str, seed: int) -> dict:
     manifest = folder / "04_train" / "manifest.json"
     seconds = None
     if not manifest.exists():
-        overrides = [f"run_dir={folder}", f"train.seed={seed}", *VARIANTS[name]]
+        overrides = [f"run_dir={folder}", f"train.seed={seed}", *args.set, *VARIANTS[name]]
         command = [sys.executable, "04_train.py", "--config", str(args.config)]
         for override in overrides:
             command += ["--set", override]
@@ -90,6 +102,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True, help="the config that run was made with")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--set", nargs="*", default=[], help="overrides for every variant (e.g. train.max_steps=128)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "train_levers")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "train_levers")
     args = parser.parse_args()

@@ -200,7 +200,8 @@ def prepared_draft(config, batch, device, attention: str, train=None):
     torch.manual_seed(0)
     vocab = batch["embed"].shape[0]
     model = build_draft(config.draft, [2, 30, 58], vocab, attention,
-                        model_class=Eagle3Draft if train is not None else Eagle3DraftModel)
+                        model_class=Eagle3Draft if train is not None else Eagle3DraftModel,
+                        standardize_aux=train is not None and train.standardize_aux)  # its multiply, scales of 1
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[batch["kept"]] = True
     verifier = VerifierWeights(batch["embed"], torch.ones(config.draft.hidden_size), batch["lm_head"], 1e-5, False)

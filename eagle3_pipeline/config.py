@@ -248,6 +248,16 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this x learning_rate")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon = torch.optim.Muon on the 2-D weights of fc and the decoder layer (its update "
+        "RMS matched to AdamW's, so learning_rate serves both), AdamW on lm_head and the norms: speculators' default"
+    )
+    muon_weight_decay: float = Field(0.1, ge=0, description="Muon's decoupled weight decay (optimizer muon)")
+    freeze_lm_head: bool = Field(False, description="true = lm_head stays the verifier's rows (speculators freezes it)")
+    standardize_aux: bool = Field(
+        False, description="fc reads each aux channel divided by its RMS over the first step's packs; the scales "
+        "are folded into fc.weight at export, so the exported layout and semantics do not change"
+    )
     warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many optimizer steps")
     max_steps: int = Field(ge=1, description="optimizer steps in the whole run")
     packed_length: int = Field(2048, ge=16, description="rows per packed sequence; >= data.max_seq_len - 1")
@@ -340,6 +350,12 @@ class RunConfig(Section):
     export: ExportConfig = Field(ExportConfig(), description="export formats (05)")
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate", description="validation in vLLM (06)")
 
+    @model_validator(mode="after")
+    def _one_aux_scaling(self) -> RunConfig:
+        if self.train.standardize_aux and self.draft.norm_before_fc:
+            raise ValueError("train.standardize_aux scales what draft.norm_before_fc normalises: set one of them")
+        return self
+
     def section(self, name: str) -> dict[str, Any]:
         """One top-level section as plain JSON data (by its YAML name)."""
         return self.model_dump(mode="json", by_alias=True)[name]
@@ -379,6 +395,8 @@ def _describe(error: dict[str, Any]) -> str:
         return f"{path}: required key is missing"
     if kind == "literal_error":
         return f"{path}: {message.replace('Input should be', 'allowed:')}, got {error['input']!r}"
+    if kind == "value_error" and isinstance(error.get("input"), dict):  # a section's own check: the rule says it
+        return f"{path}: {message.removeprefix('Value error, ')}"
     return f"{path}: {message}, got {error['input']!r}" if "input" in error else f"{path}: {message}"
 
 

@@ -28,6 +28,7 @@ from eagle3_pipeline.export_format import (
     draft_tensor_shapes,
     export_dtype,
     export_state_dict,
+    fold_aux_scale,
     implied_tensors,
     read_spec,
     reference_config,
@@ -109,8 +110,9 @@ def refuse_other_checkpoint(stage: Stage, step_dir: Path, force: bool) -> None:
 
 
 def load_checkpoint_state(step_dir: Path, reference: dict) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, checked name by name and shape by shape against the draft the config builds."""
+    """The checkpoint's tensors (aux scales folded into fc.weight), checked name by name and shape by shape against the draft the config builds."""
     state = load_file(str(step_dir / WEIGHTS_FILE))
+    state = fold_aux_scale(state)
     built = stored_tensors({name: shape for name, (shape, _) in draft_tensor_shapes(reference).items()})
     wrong = sorted(set(built) ^ set(state)) + [
         f"{n} {list(state[n].shape)} != {shape}" for n, shape in built.items() if n in state and list(state[n].shape) != shape]

@@ -158,6 +158,16 @@ def stored_tensors(draft_state: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in draft_state.items() if name not in FROZEN}
 
 
+def fold_aux_scale(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's state with 04's `aux_scale` (train.standardize_aux) folded into fc.weight: fc(aux * scale)
+    is fc with its input columns scaled, so the exported draft has the reference's tensors and semantics."""
+    if "aux_scale" not in state:
+        return state
+    folded = {name: value for name, value in state.items() if name != "aux_scale"}
+    folded["fc.weight"] = state["fc.weight"] * state["aux_scale"].to(state["fc.weight"].dtype)
+    return folded
+
+
 def export_state_dict(draft_state: Mapping[str, Any], fmt: str) -> dict[str, Any]:
     """The tensors (or entries) a format stores, by name: speculators = the checkpoint's layers.0.* names;
     reference = the reference's (eagle3_pipeline/reference/aq_medai_kimi_k25_eagle3.json):

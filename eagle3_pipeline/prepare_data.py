@@ -62,7 +62,7 @@ def run(config: RunConfig, force: bool = False) -> None:
     train = [c for c in conversations if c.id not in eval_ids]
     held_out = [c for c in conversations if c.id in eval_ids]
 
-    first_turns_only = [c.id for c in held_out if _prompt_only(c) and sum(m["role"] == "user" for m in c.messages) > 1]
+    first_turns_only = [c.id for c in held_out if c.prompt_only and sum(m["role"] == "user" for m in c.messages) > 1]
     if first_turns_only:
         print(f"01_data: {len(first_turns_only)} eval conversations (first: {first_turns_only[0]}) are served through "
               "their first user turn only: later turns follow answers the target writes with data.regenerate.enabled")
@@ -101,10 +101,6 @@ def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: li
         "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],
         "skipped": sum(reason["count"] for reason in stats["skipped"].values()),
     })
-
-
-def _prompt_only(conversation: Conversation) -> bool:
-    return not any(m["role"] == "assistant" for m in conversation.messages)
 
 
 def _read_sources(data: DataConfig, skips: Skips) -> tuple[list[Conversation], list[Conversation]]:

@@ -38,7 +38,7 @@ JUSTIFIED = {
 
 def test_norm_knobs_reach_the_export_config_and_tensors():
     """speculators' norm options, off in the reference: when on, vLLM must read them from the export."""
-    knobs = ["draft.norm_before_fc=true", "draft.norm_output=true"]
+    knobs = ["draft.norm_before_fc=true", "draft.norm_output=true", "train.standardize_aux=false"]
     config = load_config(CONFIGS / "tiny_kimi.yaml", knobs)
     aux_width = 3 * config.draft.hidden_size
     for fmt in ("reference", "speculators"):
@@ -52,7 +52,8 @@ def test_norm_knobs_reach_the_export_config_and_tensors():
 
 
 @pytest.mark.parametrize("name, knobs", [
-    ("kimi_k25", []), ("demo", []), ("tiny_kimi", ["draft.norm_before_fc=true", "draft.norm_output=true"]),
+    ("kimi_k25", []), ("demo", []),
+    ("tiny_kimi", ["draft.norm_before_fc=true", "draft.norm_output=true", "train.standardize_aux=false"]),
 ])
 def test_the_tensors_a_config_implies_are_the_ones_training_builds(name, knobs):
     """06 computes the shapes from config.json alone; they must be what speculators' draft class builds."""

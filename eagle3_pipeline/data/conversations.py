@@ -51,6 +51,11 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # function declarations the conversation may call
     images: dict[str, bytes] = field(default_factory=dict)  # image source (path or data URL) -> file bytes
 
+    @property
+    def prompt_only(self) -> bool:
+        """No assistant turn yet (a benchmark's prompt, before regeneration answers it)."""
+        return not any(m["role"] == "assistant" for m in self.messages)
+
 
 @dataclass
 class Skips:

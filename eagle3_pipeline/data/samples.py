@@ -32,7 +32,7 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     earlier turn a row of its own). An eval conversation without an answer (a benchmark's prompt, kept as it
     is when regeneration is off) becomes its prompt alone, with no loss tokens: 06 serves it, 04 learns
     nothing from it. An eval row whose prompt does not fit is skipped."""
-    prompt_only = with_prompt and not any(m["role"] == "assistant" for m in conversation.messages)
+    prompt_only = with_prompt and conversation.prompt_only
     if prompt_only:
         messages = through_first_user_turn(conversation.messages)
         layout = template.layout(messages, generation_prompt=True, tools=conversation.tools)

@@ -97,13 +97,48 @@ class ServedTurn:
     answer_tokens: int  # tokens after the prompt
 
 
+def is_served(sample: dict) -> bool:
+    """An eval row with an answer to replay (a prompt alone has none)."""
+    return sample["seq_len"] > sample["prompt_len"]
+
+
 def served_turns(samples: list[dict]) -> list[ServedTurn]:
     """The served turns of one pack's samples (`source`, `seq_len`, `prompt_len`), in pack order; rows as
     data.py lays them out (each sample gives seq_len - 1 rows)."""
     turns, offset = [], 0
     for sample in samples:
-        if sample["seq_len"] > sample["prompt_len"]:  # a prompt alone (no answer) has nothing to replay
+        if is_served(sample):
             turns.append(ServedTurn(sample["source"], offset + sample["prompt_len"] - 1,
                                     sample["seq_len"] - sample["prompt_len"]))
         offset += sample["seq_len"] - 1
     return turns
+
+
+def target_proposals(top1: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """The draft's top-1 per step and row (draft vocab ids, -1 where a step has no row) as target token ids."""
+    return torch.where(top1 >= 0, top1 + d2t[top1.clamp(min=0)], -1)
+
+
+def replay_batch(proposals: torch.Tensor, batch: dict, packs: list[tuple[int, ...]], samples: list[dict],
+                 max_tokens: int, chains: dict[tuple[str, int], ChainCounts]) -> None:
+    """Replay every served turn of one batch of packed rows into `chains` (keyed by (source, k)).
+
+    proposals [B, S, L] target ids; batch: the packed rows' input_ids and document_ids; packs: each row's
+    sample indices into `samples` (`source`, `seq_len`, `prompt_len` per eval row)."""
+    leading = leading_matches(proposals, batch["input_ids"], batch["document_ids"]).tolist()
+    for row_leading, pack in zip(leading, packs):
+        for turn in served_turns([samples[i] for i in pack]):
+            for (source, k), counts in chains.items():
+                if source == turn.source:
+                    replay(row_leading, turn.first_row, turn.answer_tokens, max_tokens, counts)
+
+
+def chain_metrics(chains: dict[tuple[str, int], ChainCounts]) -> dict[str, float]:
+    """`al_k<k>...` over all sources and `al_k<k>.../<source>` per source, from counts keyed by (source, k)."""
+    values, overall = {}, {}
+    for (source, k), counts in chains.items():
+        values |= {f"{key}/{source}": value for key, value in counts.metrics().items()}
+        overall[k] = overall.get(k, ChainCounts(k)) + counts
+    for counts in overall.values():
+        values |= counts.metrics()
+    return values

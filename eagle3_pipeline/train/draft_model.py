@@ -71,7 +71,11 @@ class Eagle3Draft(Eagle3DraftModel):
     def unroll(self, masks, aux, final, input_ids, position_ids, document_ids, loss_mask, step_weights):
         with torch.no_grad():
             target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), plain=not self.loss_chunk_rows)
-        hidden = self.fc(aux if self.input_norm is None else self.input_norm(aux))
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        elif getattr(self, "aux_scale", None) is not None:  # `train.standardize_aux`; folded into fc at export
+            aux = aux * self.aux_scale.to(aux.dtype)  # bf16 states stay bf16: no float32 copy
+        hidden = self.fc(aux)
         cache = DynamicCache()
         tokens, loss, stats, top1 = input_ids, 0.0, [], []
         for step, mask in enumerate(masks):
@@ -96,6 +100,16 @@ class Eagle3Draft(Eagle3DraftModel):
             top1.append(F.pad(step_top1, (0, step), value=-1))
             tokens = F.pad(tokens[:, 1:], (0, 1))  # teacher forcing: the next step reads the next true token
         return loss, torch.stack(stats, dim=1), torch.stack(top1, dim=1)
+
+
+def standardize_aux(model: Eagle3Draft, batches: list[dict], accelerator) -> None:
+    """`train.standardize_aux`: the `aux_scale` buffer = 1 / each aux channel's RMS over the real rows of
+    `batches` (all processes' together), the smallest RMS raised to 1% of the median channel's."""
+    squares = sum((b["aux"].float() ** 2 * (b["document_ids"] >= 0)[..., None]).sum((0, 1)) for b in batches)
+    rows = sum((b["document_ids"] >= 0).sum() for b in batches).float()
+    squares, rows = accelerator.reduce(squares, "sum"), accelerator.reduce(rows, "sum")
+    rms = (squares / rows.clamp(min=1)).sqrt()
+    model.aux_scale.copy_(1 / rms.clamp(min=0.01 * rms.median().item()))
 
 
 class VerifierTargets:
@@ -144,8 +158,9 @@ class VerifierTargets:
 
 
 def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attention: str,
-                model_class: type[Eagle3DraftModel] = Eagle3Draft) -> Eagle3DraftModel:
-    """A freshly initialised draft of the `draft:` config's shape (`draft` is a config.DraftConfig)."""
+                model_class: type[Eagle3DraftModel] = Eagle3Draft, standardize_aux: bool = False) -> Eagle3DraftModel:
+    """A freshly initialised draft of the `draft:` config's shape (`draft` is a config.DraftConfig), with an
+    `aux_scale` buffer when `standardize_aux` (`train.standardize_aux`)."""
     layer_config = LlamaConfig(
         vocab_size=target_vocab_size,
         hidden_size=draft.hidden_size,
@@ -173,7 +188,10 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
         embed_requires_grad=False,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
     )
-    return model_class(config)
+    model = model_class(config)
+    if standardize_aux:  # ones until `standardize_aux` sets them; a checkpoint restores them
+        model.register_buffer("aux_scale", torch.ones(model.fc.in_features))
+    return model
 
 
 def accelerate_draft(model: Eagle3Draft, train, device: torch.device) -> None:
@@ -211,8 +229,10 @@ def rope_parameters(theta: float, scaling: dict | None) -> dict:
     return {"rope_type": rope_type, "rope_theta": theta, **scaling}
 
 
-def load_frozen_and_vocab(model: Eagle3DraftModel, verifier: VerifierWeights, d2t, t2d) -> None:
-    """Vocab maps, the verifier's tensors, and lm_head initialised from the verifier's kept rows."""
+def load_frozen_and_vocab(model: Eagle3DraftModel, verifier: VerifierWeights, d2t, t2d,
+                          train_lm_head: bool = True) -> None:
+    """Vocab maps, the verifier's tensors, and lm_head initialised from the verifier's kept rows (and trained,
+    unless `train_lm_head` is false)."""
     if verifier.embed_tokens.shape != model.embed_tokens.weight.shape:
         raise ValueError(f"target embedding {tuple(verifier.embed_tokens.shape)} does not fit the draft "
                          f"{tuple(model.embed_tokens.weight.shape)} (draft.hidden_size, target vocab)")
@@ -224,5 +244,5 @@ def load_frozen_and_vocab(model: Eagle3DraftModel, verifier: VerifierWeights, d2
         model.verifier_lm_head.weight.copy_(kept_rows)
         model.lm_head.weight.copy_(kept_rows)
     model.verifier_norm.variance_epsilon = verifier.norm_eps  # the target's eps, not the draft's
-    model.lm_head.weight.requires_grad_(True)
+    model.lm_head.weight.requires_grad_(train_lm_head)
 

@@ -30,11 +30,11 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_ident
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
                                     shares_folder)
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.train.acceptance import ChainCounts, leading_matches, replay, served_turns
+from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, is_served, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
-from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab
+from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab, standardize_aux
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.metrics import MetricsLog, summarize
 from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
@@ -89,6 +89,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
         meter.count(packs)  # on the host copies: no device synchronisation
         log.log_batch(step, batch_record(inputs, step, packs_per_step))
         micro_batches = [to_device(batch, accelerator.device, float_dtype) for batch in packs]
+        if step == 1 and train.standardize_aux:  # a resumed run has its scales from the checkpoint
+            standardize_aux(accelerator.unwrap_model(model), micro_batches, accelerator)
         stats, grad_norm = train_step(model, optimizer, scheduler, micro_batches, accelerator,
                                       train.ttt_steps, step_weights, train.grad_clip)
         meter.add(stats)
@@ -294,8 +296,9 @@ def build_model(config: RunConfig, inputs: Inputs, attention: str):
     if verifier.embed_tokens.shape[0] != inputs.t2d.numel():
         raise StageError(f"03_vocab maps a vocabulary of {inputs.t2d.numel()} tokens, the target has "
                          f"{verifier.embed_tokens.shape[0]}: rerun 03_build_vocab_map.py --force")
-    model = build_draft(config.draft, inputs.layout["aux_layer_ids"], inputs.t2d.numel(), attention)
-    load_frozen_and_vocab(model, verifier, inputs.d2t, inputs.t2d)
+    model = build_draft(config.draft, inputs.layout["aux_layer_ids"], inputs.t2d.numel(), attention,
+                        standardize_aux=config.train.standardize_aux)
+    load_frozen_and_vocab(model, verifier, inputs.d2t, inputs.t2d, train_lm_head=not config.train.freeze_lm_head)
     return model
 
 
@@ -338,7 +341,7 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
     rows = int(stream.rows_per_sample.sum())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    per_token = train_flops(config.draft, inputs.num_aux, train.ttt_steps, 1, 0)
+    per_token = train_flops(config.draft, inputs.num_aux, train.ttt_steps, 1, 0, not train.freeze_lm_head)
     print(f"04_train: {len(stream.rows_per_sample)} train samples, {rows} rows, {epoch_packs} packs of "
           f"{train.packed_length} ({rows / (epoch_packs * train.packed_length):.1%} filled); "
           f"{len(inputs.eval_packs)} eval packs")
@@ -348,7 +351,7 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
           f"= {train.max_steps * packs_per_step / epoch_packs:.2f} epochs; starting at step {start_step}")
     if inputs.simulated_ks:
         print(f"04_train: eval simulates vLLM's acceptance at k = {inputs.simulated_ks} on "
-              f"{sum(s['seq_len'] > s['prompt_len'] for s in inputs.eval_samples)} served turns, up to "
+              f"{sum(map(is_served, inputs.eval_samples))} served turns, up to "
               f"validate.max_tokens {config.validate_.max_tokens} tokens each")
     elif inputs.eval_rows is not None:
         print("04_train: eval does not simulate acceptance: the eval answers are not the target's greedy ones "
@@ -397,7 +400,8 @@ class Throughput:
         values = {**summarize(stats), **extra, "tokens_per_s": tokens / seconds,
                   "data_wait_frac": self.data_wait / seconds}  # of the main process; 1.0 = training starved
         if self.peak:
-            flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys)
+            flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys,
+                                not self.config.train.freeze_lm_head)
             values["mfu"] = flops / seconds / (self.peak * self.accelerator.num_processes)
         self._reset()
         return values
@@ -422,26 +426,15 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
         _, batch_stats, top1 = model(**batch, ttt_steps=steps, step_weights=weights)
         stats += batch_stats
         if ks:
-            proposals = torch.where(top1 >= 0, top1 + d2t[top1.clamp(min=0)], -1)  # draft ids -> target ids
-            leading = leading_matches(proposals, batch["input_ids"], batch["document_ids"]).tolist()
             batch_packs = packs[index * train.micro_batch_size:(index + 1) * train.micro_batch_size]
-            for row_leading, (_, pack) in zip(leading, batch_packs):
-                for turn in served_turns([inputs.eval_samples[i] for i in pack]):
-                    for k in ks:
-                        replay(row_leading, turn.first_row, turn.answer_tokens, config.validate_.max_tokens,
-                               chains[turn.source, k])
+            replay_batch(target_proposals(top1, d2t), batch, [pack for _, pack in batch_packs], inputs.eval_samples,
+                         config.validate_.max_tokens, chains)
     values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"))
     if not ks:
         return values
     summed = accelerator.reduce(torch.stack([c.as_tensor() for c in chains.values()]).to(accelerator.device), "sum")
     chains = {key: ChainCounts.from_tensor(key[1], row.cpu()) for key, row in zip(chains, summed)}
-    for k in ks:
-        overall = ChainCounts(k)
-        for source in sources:
-            values |= {f"{key}/{source}": value for key, value in chains[source, k].metrics().items()}
-            overall = overall + chains[source, k]
-        values |= overall.metrics()
-    return values
+    return values | chain_metrics(chains)
 
 
 def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:

@@ -15,15 +15,50 @@ import torch
 FLOAT_INPUTS = ("aux", "final")
 
 
-def make_optimizer(model: torch.nn.Module, train) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; norm scales (1-D) are not decayed (`train` is a TrainConfig)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": train.weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
+def make_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, norm scales (1-D) not decayed; with `train.optimizer` muon, Muon
+    over the 2-D weights but lm_head (`train` is a TrainConfig)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for name, p in named if p.ndim == 2 and "lm_head" not in name]
     fused = next(model.parameters()).is_cuda  # one kernel for all parameters on GPU
+    if train.optimizer == "muon":
+        rest = [p for _, p in named if all(p is not m for m in matrices)]
+        return MuonAdamW(matrices, rest, train)
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=train.learning_rate, betas=tuple(train.adam_betas), fused=fused)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on `matrices`, AdamW on `rest`, as one optimizer: the schedule, accelerate and the
+    checkpoints see one set of parameter groups (the two optimizers' own, shared) and one state."""
+
+    def __init__(self, matrices: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], train):
+        # match_rms_adamw scales Muon's orthogonalised update to AdamW's RMS: one learning rate serves both
+        self.muon = torch.optim.Muon(matrices, lr=train.learning_rate, weight_decay=train.muon_weight_decay,
+                                     adjust_lr_fn="match_rms_adamw")
+        groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": train.weight_decay},  # lm_head
+                  {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+        self.adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=train.learning_rate,
+                                       betas=tuple(train.adam_betas))
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+        self._share()
+
+    def _share(self) -> None:
+        split = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:split], self.param_groups[split:]
+        self.muon.state = self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # replaces the groups and the state: share them again
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, train) -> torch.optim.lr_scheduler.LambdaLR:

@@ -208,3 +208,24 @@ def test_flex_attention_path_computes_what_sdpa_computes(monkeypatch):
         sdpa = step_logits(tiny_model("sdpa").float(), batch)[0]
     for step in range(3):
         torch.testing.assert_close(flex[step], sdpa[step], rtol=1e-4, atol=1e-4)
+
+
+def test_standardized_aux_folds_into_fc_at_export():
+    from eagle3_pipeline.export_format import fold_aux_scale, stored_tensors
+    from eagle3_pipeline.train.draft_model import standardize_aux
+
+    scaled = tiny_model()
+    scaled.register_buffer("aux_scale", torch.ones(AUX * HIDDEN, dtype=torch.float64))
+    batch = packed([10, 9], 24, seed=3)
+    batch["aux"] *= torch.logspace(-1, 2, AUX * HIDDEN, dtype=torch.float64)  # channels of very different sizes
+    standardize_aux(scaled, [batch], SimpleNamespace(reduce=lambda tensor, _op: tensor))
+    real = batch["aux"][batch["document_ids"] >= 0]
+    torch.testing.assert_close((real * scaled.aux_scale).square().mean(0).sqrt(), torch.ones(AUX * HIDDEN,
+                               dtype=torch.float64))  # every channel at RMS 1 (none under the 1% floor here)
+
+    exported = tiny_model()  # the same initial weights, no aux_scale: what vLLM runs
+    exported.load_state_dict(fold_aux_scale(stored_tensors(scaled.state_dict())), strict=False)
+    with torch.no_grad():
+        for ours, served in zip(step_logits(scaled, batch)[0], step_logits(exported, batch)[0]):
+            torch.testing.assert_close(ours, served)
+    assert not torch.equal(exported.fc.weight, tiny_model().fc.weight)

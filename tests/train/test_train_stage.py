@@ -33,10 +33,12 @@ def records(run_dir, split="train") -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys):
-    straight, _ = tiny_run(tmp_path, "straight")
+@pytest.mark.parametrize("choices", [{}, {"optimizer": "muon", "standardize_aux": True, "freeze_lm_head": True}],
+                         ids=["adamw", "muon-standardized-frozen-head"])
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys, choices):
+    straight, _ = tiny_run(tmp_path, "straight", **choices)
     loop.run(straight)
-    resumed, _ = tiny_run(tmp_path, "resumed")
+    resumed, _ = tiny_run(tmp_path, "resumed", **choices)
     loop.run(resumed, stop_at_step=4)
     train_dir = resumed.run_dir / "04_train"
     assert read_manifest(train_dir) is None and (train_dir / "checkpoints" / "step_4").is_dir()
