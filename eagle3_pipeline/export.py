@@ -110,7 +110,8 @@ def refuse_other_checkpoint(stage: Stage, step_dir: Path, force: bool) -> None:
 
 
 def load_checkpoint_state(step_dir: Path, reference: dict) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (aux scales folded into fc.weight), checked name by name and shape by shape against the draft the config builds."""
+    """The checkpoint's tensors (aux scales folded into fc.weight), checked name by name and shape by shape
+    against the draft the config builds."""
     state = load_file(str(step_dir / WEIGHTS_FILE))
     state = fold_aux_scale(state)
     built = stored_tensors({name: shape for name, (shape, _) in draft_tensor_shapes(reference).items()})
