@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -56,6 +57,12 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys, choices):
     final = "04_train/checkpoints/step_6/model.safetensors"
     a, b = load_file(str(straight.run_dir / final)), load_file(str(resumed.run_dir / final))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    first = load_file(str(straight.run_dir / "04_train/checkpoints/step_3/model.safetensors"))
+    assert torch.equal(a["lm_head.weight"], first["lm_head.weight"]) == bool(choices.get("freeze_lm_head"))
+    assert ("aux_scale" in a) == bool(choices.get("standardize_aux"))
+    if "aux_scale" in a:  # measured on step 1's packs, then kept
+        assert not torch.equal(a["aux_scale"], torch.ones_like(a["aux_scale"]))
+        assert torch.equal(a["aux_scale"], first["aux_scale"])
     assert read_manifest(train_dir)["counts"]["eval_accuracy"] == read_manifest(
         straight.run_dir / "04_train")["counts"]["eval_accuracy"]
 
