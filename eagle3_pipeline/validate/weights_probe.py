@@ -9,7 +9,10 @@ So the draft's loading itself is recorded. vLLM imports the `worker_extension_cl
 before the model loads (`LLM(worker_extension_cls=PROBE)`); importing this module wraps
 `Eagle3LlamaForCausalLM.load_weights` to keep, per load, the tensor names it received, the parameters its
 `AutoWeightsLoader` reports loaded and all the parameters the draft has. `llm.collective_rpc(REPORT)` returns
-that from each worker, plus the parameters vLLM shares from the target instead (embedding, lm_head).
+that from each worker, plus the draft parameters that are the target's own tensors (the embedding, and the
+lm_head where the draft has none): found by storage, whichever model runner holds the draft (V1 names it
+`runner.drafter`, Model Runner V2 `runner.speculator`; `runner.get_draft_model()` is on both) and whatever
+flags vLLM set while sharing.
 """
 
 from __future__ import annotations
@@ -63,14 +66,19 @@ class DraftWeightsProbe:
     """Mixed into vLLM's worker class; its method runs in each worker through `llm.collective_rpc`."""
 
     def draft_weights_report(self) -> dict:
-        drafter = getattr(self.model_runner, "drafter", None)
-        model = getattr(drafter, "model", None)
-        shared = []
-        if model is not None and not getattr(model, "has_own_embed_tokens", True):
-            shared.append("model.embed_tokens.weight")
-        if model is not None and not getattr(model, "has_own_lm_head", True):
-            shared.append("lm_head.weight")
-        return {"loads": list(_loads), "shared": shared}
+        runner = self.model_runner
+        draft = runner.get_draft_model()
+        if draft is None:
+            raise RuntimeError(f"weights probe: {type(runner).__name__}.get_draft_model() found no draft model in "
+                               "this engine: it runs no draft-model speculation")
+        return {"loads": list(_loads), "shared": shared_parameters(draft, runner.get_model())}
+
+
+def shared_parameters(draft, target) -> list[str]:
+    """The draft's parameters whose storage is one of the target's parameters (shared at load, not loaded)."""
+    target_storage = {p.untyped_storage().data_ptr() for p in target.parameters() if p.numel()}
+    return sorted(name for name, p in draft.named_parameters(remove_duplicate=False)
+                  if p.numel() and p.untyped_storage().data_ptr() in target_storage)
 
 
 def skipped_parameters(report: dict) -> tuple[list[str], list[str]]:
