@@ -69,6 +69,9 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
     except PatchError as err:
         raise StageError(str(err)) from None
     num_layers = text_config["num_hidden_layers"]
+    if not aux_layer_ids or len(set(aux_layer_ids)) != len(aux_layer_ids) or not all(
+            0 <= i < num_layers for i in aux_layer_ids):
+        raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: distinct ids in 0..{num_layers - 1} expected")
     print(f"capture path: {method} (vLLM {vllm_version()})")
     if method == "extract_hidden_states":
         return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers)
@@ -90,8 +93,12 @@ def _check_prompt(output, ids: list[int]) -> None:
 
 class WorkerExtensionCapturer:
     def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int]):
-        from patches.capture_worker import EXTENSION
+        from patches.capture_worker import EXTENSION, check_runner_support
 
+        try:  # before the weights load: nothing the runner lacks is found after minutes of loading
+            check_runner_support()
+        except RuntimeError as err:
+            raise StageError(str(err)) from None
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
         self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
         self.column_of = [self.captured_ids.index(i) for i in aux_layer_ids]

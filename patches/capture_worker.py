@@ -1,7 +1,8 @@
 """A vLLM worker extension that records the target's hidden states for every token it computes (stage 02).
 
-It needs no extraction support in vLLM itself (0.16 has none), GPU or CPU, only the V1 model runner:
-the default on 0.16/0.17 and on CPU; set VLLM_USE_V2_MODEL_RUNNER=0 where a release defaults to V2.
+It needs no extraction support in vLLM itself (0.16 has none), GPU or CPU, and works on both of vLLM's
+model runners: V1 (the default on 0.16-0.28 for MoE models and on CPU) and Model Runner V2 (the default for
+dense models on 0.26, for every model from 0.29).
 
     from patches.capture_worker import EXTENSION, load_captured
     llm = LLM(model=target, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False)
@@ -33,9 +34,13 @@ the default on 0.16/0.17 and on CPU; set VLLM_USE_V2_MODEL_RUNNER=0 where a rele
   - `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
   Either way `pop_captured` writes into a directory the caller names and `load_captured` reads and removes
   what it wrote. A local fast disk or /dev/shm suits.
-- It relies on vLLM's V1 model runner (`_model_forward`, `input_batch.req_ids`, `query_start_loc`,
-  `input_ids`); `tests/patches/test_vllm016_source.py` checks those in vLLM 0.16.0's source and
-  `tests/patches/test_capture_worker.py` runs it on the installed vLLM.
+- A forward hook on the model (both runners call `self.model(...)`) records each step and hands the runner
+  the plain hidden states it expects without a draft. Which tokens belong to which request is read from the
+  runner's own step batch: V1 keeps it on the runner (`input_batch.req_ids`, `query_start_loc`,
+  `input_ids`); Model Runner V2 builds a per-step `InputBatch` in `prepare_inputs` (`req_ids`,
+  `query_start_loc_np`, `input_ids`), which the hook keeps for the forward that follows.
+  `check_runner_support` checks both before any engine starts; `tests/patches/test_vllm016_source.py` checks
+  vLLM 0.16.0's source and `tests/patches/test_capture_worker.py` runs it on the installed vLLM.
 """
 
 from __future__ import annotations
@@ -81,9 +86,9 @@ class HiddenStateCapture:
             self._capture_chunks: dict[str, list[tuple]] = {}
             self._capture_final: torch.Tensor | None = None
             self._capture_arena: MappedArena | None = None
+            self._capture_batch = StepBatch.follow(self.model_runner)
             _language_model(model).model.norm.register_forward_pre_hook(self._capture_norm_input, with_kwargs=True)
-            runner = self.model_runner
-            runner._model_forward = functools.partial(self._capture_forward, runner._model_forward)
+            model.register_forward_hook(self._capture_output, with_kwargs=True)
         self._capture_layer_ids = ids
         if handover == "auto":
             handover = "mapped" if torch.device(self.model_runner.device).type == "cuda" else "pageable"
@@ -118,8 +123,7 @@ class HiddenStateCapture:
         # Computed before the norm runs: vLLM's fused add-norm updates its inputs in place.
         self._capture_final = hidden_states if residual is None else hidden_states + residual
 
-    def _capture_forward(self, upstream_forward, *args: Any, **inputs: Any):
-        output = upstream_forward(*args, **inputs)
+    def _capture_output(self, module: torch.nn.Module, args: tuple, inputs: dict, output: Any):
         final, self._capture_final = self._capture_final, None
         if not isinstance(output, tuple) or final is None:
             raise RuntimeError(
@@ -130,20 +134,20 @@ class HiddenStateCapture:
         if len(aux_hidden_states) != len(self._capture_layer_ids):
             raise RuntimeError(f"hidden-state capture: asked for layers {self._capture_layer_ids}, "
                                f"the model returned {len(aux_hidden_states)} aux states")
-        if self.rank == 0:
-            self._record_step(aux_hidden_states, final, inputs["positions"])
+        batch = self._capture_batch.take()
+        if self.rank == 0 and batch is not None:  # None: a dummy step (profiling, data-parallel padding)
+            positions = inputs["positions"] if "positions" in inputs else args[1]
+            self._record_step(batch, aux_hidden_states, final, positions)
         return hidden_states  # what the model runner expects without a draft
 
-    def _record_step(self, aux_hidden_states: list[torch.Tensor], final: torch.Tensor, positions: torch.Tensor):
-        # The batch is the requests of input_batch in order, request i owning tokens
-        # query_start_loc[i]:query_start_loc[i + 1]; rows past the last are padding.
-        runner = self.model_runner
-        req_ids = list(runner.input_batch.req_ids)
-        starts = runner.query_start_loc.cpu[: len(req_ids) + 1].tolist()
+    def _record_step(self, batch: tuple[list[str], list[int], torch.Tensor], aux_hidden_states: list[torch.Tensor],
+                     final: torch.Tensor, positions: torch.Tensor):
+        # Request i owns tokens starts[i]:starts[i + 1]; rows past the last are padding.
+        req_ids, starts, input_ids = batch
         num_tokens = starts[-1]
         positions = (positions[0] if positions.dim() > 1 else positions)[:num_tokens].cpu()  # M-RoPE: [3, T]
         # A copy: the runner's input buffer is refilled for the next step while the side stream may still read.
-        token_ids = runner.input_ids.gpu[:num_tokens].to(torch.int64, copy=True)
+        token_ids = input_ids[:num_tokens].to(torch.int64, copy=True)
         aux = [states[:num_tokens] for states in aux_hidden_states]
         if self._capture_handover == "mapped":
             if self._capture_arena is None:
@@ -162,6 +166,81 @@ class HiddenStateCapture:
             begin, end = starts[i], starts[i + 1]
             if end > begin:
                 self._capture_chunks.setdefault(req_id, []).append((int(positions[begin]), *chunk(begin, end)))
+
+
+class StepBatch:
+    """The requests of the step the model is computing, read from the model runner that runs it:
+    (request ids, query start offsets [num_reqs + 1], the step's input token ids).
+
+    V1 keeps the batch on the runner. Model Runner V2 returns a fresh `InputBatch` from `prepare_inputs` for
+    each real step (dummy steps make theirs elsewhere); the wrapper keeps it for the forward that follows."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.prepared = None  # Model Runner V2: the InputBatch of the step about to run
+
+    @classmethod
+    def follow(cls, runner) -> StepBatch:
+        batch = cls(runner)
+        if runner_kind(type(runner)) == "v2":
+            prepare_inputs = runner.prepare_inputs
+
+            @functools.wraps(prepare_inputs)
+            def keeping_the_batch(*args, **kwargs):
+                batch.prepared = prepare_inputs(*args, **kwargs)
+                return batch.prepared
+
+            runner.prepare_inputs = keeping_the_batch
+        return batch
+
+    def take(self) -> tuple[list[str], list[int], torch.Tensor] | None:
+        if runner_kind(type(self.runner)) == "v1":
+            runner = self.runner
+            req_ids = list(runner.input_batch.req_ids)
+            return req_ids, runner.query_start_loc.cpu[: len(req_ids) + 1].tolist(), runner.input_ids.gpu
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        req_ids = list(prepared.req_ids)
+        return req_ids, prepared.query_start_loc_np[: len(req_ids) + 1].tolist(), prepared.input_ids
+
+
+# What each model runner must have for the capture (read in a step, or wrapped): checked before an engine starts.
+RUNNER_ATTRIBUTES = {"v1": ("input_batch", "query_start_loc", "input_ids"), "v2": ("prepare_inputs",)}
+INPUT_BATCH_FIELDS = ("req_ids", "query_start_loc_np", "input_ids")
+
+
+def check_runner_support() -> None:
+    """Before an engine starts: each model runner the installed vLLM has provides what `StepBatch` reads
+    (V1: attributes its constructor sets; V2: `prepare_inputs` and the fields of its `InputBatch`)."""
+    import dataclasses
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    problems = []
+    constructor = inspect.getsource(V1Runner.__init__)
+    missing = [name for name in RUNNER_ATTRIBUTES["v1"] if f"self.{name} =" not in constructor]
+    if missing:
+        problems.append(f"V1 GPUModelRunner.__init__ sets no {missing}")
+    try:
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    except ImportError:  # a vLLM before Model Runner V2
+        V2Runner = None
+    if V2Runner is not None:
+        fields = {field.name for field in dataclasses.fields(InputBatch)}
+        missing = [name for name in RUNNER_ATTRIBUTES["v2"] if not hasattr(V2Runner, name)]
+        missing += [f"InputBatch.{name}" for name in INPUT_BATCH_FIELDS if name not in fields]
+        if missing:
+            problems.append(f"Model Runner V2 lacks {missing}")
+    if problems:
+        raise RuntimeError("hidden-state capture: this vLLM's model runners changed: " + "; ".join(problems))
+
+
+def runner_kind(runner_class: type) -> str:
+    """"v2" for Model Runner V2 (vllm.v1.worker.gpu.*), "v1" for the V1 runner and its CPU subclass."""
+    return "v2" if runner_class.__module__.startswith("vllm.v1.worker.gpu.") else "v1"
 
 
 class MappedArena:
@@ -291,8 +370,10 @@ def _check_engine(vllm_config, runner, model: torch.nn.Module, ids: tuple[int, .
         problems.append("pipeline parallelism is not supported (use tensor parallelism)")
     if vllm_config.speculative_config is not None:
         problems.append("the engine already runs a speculative method, which owns the aux hidden states")
-    if not hasattr(runner, "_model_forward"):
-        problems.append("needs vLLM's V1 model runner (set VLLM_USE_V2_MODEL_RUNNER=0)")
+    kind = runner_kind(type(runner))
+    missing = [name for name in RUNNER_ATTRIBUTES[kind] if not hasattr(runner, name)]
+    if missing:
+        problems.append(f"the {kind} model runner {type(runner).__name__} lacks {missing}")
     if problems:
         raise RuntimeError("hidden-state capture: " + "; ".join(problems))
 

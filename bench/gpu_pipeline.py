@@ -1,0 +1,170 @@
+"""The pipeline on a GPU node, as a user runs it: each stand-in x capture path x model runner, stage by stage.
+
+    python bench/gpu_pipeline.py --out /tmp/gpu_results [--only smollm2-extract,...]
+
+Runs every stage script as a subprocess (CUDA graphs on, bf16, compile: configs/demo_gpu.yaml for SmolLM2, the
+tiny Kimi with GPU engine settings), records each stage's exit status and wall time, checks 02's states against
+Hugging Face transformers' forward of the same target, and reads 06's report (verdict, acceptance, speed-up).
+A run that only varies stage 02 (another capture path or runner) starts from a copy of the first run's 01_data.
+The three chains of runs share the GPU at once. Writes <out>/gpu_pipeline.json after every stage, so a run cut
+short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3_pipeline.config import load_config  # noqa: E402
+from eagle3_pipeline.hidden_states_store import open_reader  # noqa: E402
+from eagle3_pipeline.stage_io import STAGES  # noqa: E402
+from eagle3_pipeline.target import target_path  # noqa: E402
+
+SCRIPTS = {spec.name: spec.script for spec in STAGES.values()}
+ALL = tuple(SCRIPTS)
+# 02 against transformers (fp32 reference, same tokens): the relative error a capture dtype allows. bf16: the
+# states are stored in bf16 (0.4% rounding) after 30 layers of bf16 kernels whose sums round otherwise than
+# fp32's (transformers' own bf16 forward is 0.2-1.8% off its fp32 one on SmolLM2); fp32: kernel order only.
+TOLERANCE = {"bfloat16": 0.03, "float32": 0.005}
+# Three chains share the GPU at once (SmolLM2 and the tiny Kimi take little memory): each engine takes a quarter.
+SHARE = "target.engine.gpu_memory_utilization=0.25"
+KIMI_GPU = [SHARE, "target.engine.enforce_eager=false", "target.engine.cpu_reserved_cores=null",
+            "train.mixed_precision=bf16", "train.compile=true"]
+
+
+@dataclass
+class Job:
+    name: str
+    config: str
+    stages: tuple[str, ...]
+    overrides: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+    copy_from: str | None = None  # a job whose finished stages before the first of `stages` this one reuses
+
+
+CHAINS = [
+    [Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, [SHARE, "capture.method=extract_hidden_states"]),
+     Job("smollm2-validate-v1", "configs/demo_gpu.yaml", ("06_validate",),
+         [SHARE, "capture.method=extract_hidden_states"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "smollm2-extract")],
+    [Job("smollm2-worker-mrv2", "configs/demo_gpu.yaml", ("02_hidden_states",),
+         [SHARE, "capture.method=worker_extension"], {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "smollm2-extract"),
+     Job("smollm2-worker-v1", "configs/demo_gpu.yaml", ("02_hidden_states",),
+         [SHARE, "capture.method=worker_extension"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "smollm2-extract")],
+    [Job("tiny-kimi-v1", "configs/tiny_kimi.yaml", ALL, KIMI_GPU, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+     Job("tiny-kimi-mrv2", "configs/tiny_kimi.yaml", ALL[1:], KIMI_GPU, {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+         "tiny-kimi-v1")],
+]
+LOCK = threading.Lock()
+
+
+def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int = 8) -> dict:
+    """Relative error of 02's aux states (each layer id) and of norm(final) against transformers' fp32 forward."""
+    from datasets import load_from_disk
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = load_config(config_path, [*overrides, f"run_dir={run_dir}"])
+    model_dir = target_path(config.target)
+    reader, layout = open_reader(run_dir / "02_hidden_states")
+    split = load_from_disk(str(run_dir / "01_data" / "train"))
+    rows = [row for row in split if not row.get("images")][:samples]
+    architecture = AutoConfig.from_pretrained(model_dir, trust_remote_code=config.target.trust_remote_code)
+    multimodal = hasattr(architecture, "text_config")
+    loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    model = loader.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    text_model = model.model.language_model if multimodal else model.model
+    errors: dict[str, float] = {}
+    for row in rows:
+        aux, final = reader.get(row["id"])
+        with torch.no_grad():
+            hidden = text_model(input_ids=torch.tensor([row["input_ids"]]).cuda(), output_hidden_states=True).hidden_states
+            pairs = [(f"id {i}", aux[:, j], hidden[i][0]) for j, i in enumerate(layout["aux_layer_ids"])]
+            pairs.append(("final", text_model.norm(final.cuda().float()), hidden[-1][0]))
+            for name, actual, expected in pairs:
+                expected = expected.float()
+                error = ((actual.cuda().float() - expected).norm() / expected.norm()).item()
+                errors[name] = max(errors.get(name, 0.0), error)
+    tolerance = TOLERANCE[config.capture.dtype]
+    return {"samples": len(rows), "dtype": config.capture.dtype, "max_relative_error": errors,
+            "tolerance": tolerance, "passed": bool(rows) and max(errors.values()) < tolerance}
+
+
+def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
+    run_dir = work / job.name
+    record = results[job.name] = {"config": job.config, "overrides": job.overrides, "environment": job.environment,
+                                  "stages": {}}
+    if job.copy_from:
+        first = ALL.index(job.stages[0])
+        for name in ALL[:first]:
+            while not (work / job.copy_from / name / "manifest.json").exists():  # another chain makes it
+                time.sleep(5)
+            shutil.copytree(work / job.copy_from / name, run_dir / name, dirs_exist_ok=True)
+    sets = [arg for override in [*job.overrides, f"run_dir={run_dir}"] for arg in ("--set", override)]
+    for name in job.stages:
+        command = [sys.executable, SCRIPTS[name], "--config", job.config, *sets]
+        started = time.time()
+        log = out / f"{job.name}-{name}.log"
+        with open(log, "w") as f:
+            rc = subprocess.call(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **job.environment})
+        stage = record["stages"][name] = {"exit": rc, "seconds": round(time.time() - started, 1),
+                                          "command": " ".join(f"{k}={v}" for k, v in job.environment.items())
+                                          + " python " + " ".join(command[1:]).replace(str(work), "$WORK")}
+        stage["tail"] = log.read_text(errors="replace").splitlines()[-6:]
+        if name == "02_hidden_states" and rc == 0:
+            try:
+                record["hf_check"] = hf_check(job.config, job.overrides, run_dir)
+            except Exception as err:  # noqa: BLE001 - recorded as the check's result
+                record["hf_check"] = {"passed": False, "error": repr(err)[:500]}
+        if name == "06_validate":
+            report = json.loads((run_dir / name / "report.json").read_text()) if (run_dir / name / "report.json").exists() else {}
+            record["validate"] = {key: report.get(key) for key in
+                                  ("verdict", "problems", "mean_acceptance_length", "greedy_identical_fraction",
+                                   "without_speculation", "speed")}
+            record["validate"]["runs"] = [{k: r.get(k) for k in ("num_speculative_tokens", "mean_acceptance_length",
+                                            "simulated_mean_acceptance_length", "tokens_per_s", "speedup",
+                                            "skipped_parameters", "shared_from_target")} for r in report.get("runs", [])]
+        for manifest in (run_dir / name).glob("manifest.json"):
+            stage["manifest"] = {k: v for k, v in json.loads(manifest.read_text()).items()
+                                 if k in ("counts", "timings", "extra", "versions")}
+        with LOCK:
+            (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=2, default=str))
+        if rc != 0:
+            break
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_runs"))
+    parser.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    def run_chain(chain: list[Job]) -> None:
+        for job in chain:
+            if not args.only or job.name in args.only.split(","):
+                run_job(job, args.out, args.work, results)
+
+    threads = [threading.Thread(target=run_chain, args=(chain,)) for chain in CHAINS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+if __name__ == "__main__":
+    main()
