@@ -68,17 +68,14 @@ def fake_worker(device: torch.device, handover: str, num_aux: int, directory: st
     worker.rank, worker._capture_chunks = 0, {}
     worker._capture_layer_ids, worker._capture_handover = tuple(range(num_aux)), handover
     worker._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
-    worker.model_runner = SimpleNamespace(device=device, input_batch=SimpleNamespace(req_ids=[]),
-                                          query_start_loc=SimpleNamespace(cpu=None),
-                                          input_ids=SimpleNamespace(gpu=None))
+    worker.model_runner = SimpleNamespace(device=device)
     return worker
 
 
 def record(worker: HiddenStateCapture, step: dict) -> None:
-    runner = worker.model_runner
-    runner.input_batch.req_ids, runner.query_start_loc.cpu = step["req_ids"], step["starts"]
-    runner.input_ids.gpu = step["token_ids"]
-    worker._record_step(step["aux"], step["final"], step["positions"])
+    # the step's batch as `StepBatch.take` reads it from either model runner
+    batch = step["req_ids"], step["starts"][: len(step["req_ids"]) + 1].tolist(), step["token_ids"]
+    worker._record_step(batch, step["aux"], step["final"], step["positions"])
 
 
 def outputs_of(steps: list[dict]) -> list[SimpleNamespace]:
