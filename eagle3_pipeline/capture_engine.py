@@ -69,9 +69,6 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
     except PatchError as err:
         raise StageError(str(err)) from None
     num_layers = text_config["num_hidden_layers"]
-    if not aux_layer_ids or len(set(aux_layer_ids)) != len(aux_layer_ids) or not all(
-            0 <= i < num_layers for i in aux_layer_ids):
-        raise StageError(f"capture.aux_layer_ids {aux_layer_ids}: distinct ids in 0..{num_layers - 1} expected")
     print(f"capture path: {method} (vLLM {vllm_version()})")
     if method == "extract_hidden_states":
         return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers)

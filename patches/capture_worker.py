@@ -177,12 +177,13 @@ class StepBatch:
 
     def __init__(self, runner):
         self.runner = runner
+        self.kind = runner_kind(type(runner))
         self.prepared = None  # Model Runner V2: the InputBatch of the step about to run
 
     @classmethod
     def follow(cls, runner) -> StepBatch:
         batch = cls(runner)
-        if runner_kind(type(runner)) == "v2":
+        if batch.kind == "v2":
             prepare_inputs = runner.prepare_inputs
 
             @functools.wraps(prepare_inputs)
@@ -194,7 +195,7 @@ class StepBatch:
         return batch
 
     def take(self) -> tuple[list[str], list[int], torch.Tensor] | None:
-        if runner_kind(type(self.runner)) == "v1":
+        if self.kind == "v1":
             runner = self.runner
             req_ids = list(runner.input_batch.req_ids)
             return req_ids, runner.query_start_loc.cpu[: len(req_ids) + 1].tolist(), runner.input_ids.gpu
