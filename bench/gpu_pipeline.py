@@ -4,10 +4,11 @@
 
 Runs every stage script as a subprocess (CUDA graphs on, bf16, compile: configs/demo_gpu.yaml for SmolLM2, the
 tiny Kimi with GPU engine settings), records each stage's exit status and wall time, checks 02's states against
-Hugging Face transformers' forward of the same target, and reads 06's report (verdict, acceptance, speed-up).
-A run that only varies stage 02 (another capture path or runner) starts from a copy of the first run's 01_data.
-The three chains of runs share the GPU at once. Writes <out>/gpu_pipeline.json after every stage, so a run cut
-short keeps what it measured.
+Hugging Face transformers' forward of the same target, and reads 06's report (verdict, acceptance, speed).
+A run that only varies later stages (another runner) starts from a copy of another run's earlier stages. Then
+the benches that need the GPU to themselves: capture against plain prefill (bench/capture_overhead.py) and stream
+mode against offline (bench/stream.py). Writes <out>/gpu_pipeline.json after every stage, so a run cut short
+keeps what it measured.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from eagle3_pipeline.config import load_config  # noqa: E402
 from eagle3_pipeline.hidden_states_store import open_reader  # noqa: E402
 from eagle3_pipeline.stage_io import STAGES  # noqa: E402
+from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat  # noqa: E402
 from eagle3_pipeline.target import target_path  # noqa: E402
 
 SCRIPTS = {spec.name: spec.script for spec in STAGES.values()}
@@ -39,33 +41,45 @@ ALL = tuple(SCRIPTS)
 # states are stored in bf16 (0.4% rounding) after 30 layers of bf16 kernels whose sums round otherwise than
 # fp32's (transformers' own bf16 forward is 0.2-1.8% off its fp32 one on SmolLM2); fp32: kernel order only.
 TOLERANCE = {"bfloat16": 0.03, "float32": 0.005}
-# Three chains share the GPU at once (SmolLM2 and the tiny Kimi take little memory): each engine takes a quarter.
-SHARE = "target.engine.gpu_memory_utilization=0.25"
-KIMI_GPU = [SHARE, "target.engine.enforce_eager=false", "target.engine.cpu_reserved_cores=null",
-            "train.mixed_precision=bf16", "train.compile=true"]
+KIMI_GPU = ["target.engine.enforce_eager=false", "target.engine.cpu_reserved_cores=null", "train.mixed_precision=bf16",
+            "train.compile=true"]
+SHARE = "target.engine.gpu_memory_utilization=0.25"  # where jobs share the GPU at once, each engine takes a quarter
+# the tiny Kimi's data as tests/test_pipeline_tiny_kimi.py's: magpie chats in thinking mode and a two-image chat
+KIMI_SOURCES = "data.sources=[{kind: magpie, limit: 32, max_tokens: 8}, {kind: file, name: $WORK/pictures.jsonl}]"
 
 
 @dataclass
 class Job:
     name: str
     config: str
-    stages: tuple[str, ...]
+    stages: tuple[str, ...] = ()
     overrides: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
     copy_from: str | None = None  # a job whose finished stages before the first of `stages` this one reuses
+    bench: list[str] = field(default_factory=list)  # instead of stages: a bench script's arguments ($WORK, $OUT)
 
 
-CHAINS = [
-    [Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, [SHARE, "capture.method=extract_hidden_states"]),
-     Job("smollm2-validate-v1", "configs/demo_gpu.yaml", ("06_validate",),
-         [SHARE, "capture.method=extract_hidden_states"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "smollm2-extract")],
-    [Job("smollm2-worker-mrv2", "configs/demo_gpu.yaml", ("02_hidden_states",),
-         [SHARE, "capture.method=worker_extension"], {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "smollm2-extract"),
-     Job("smollm2-worker-v1", "configs/demo_gpu.yaml", ("02_hidden_states",),
-         [SHARE, "capture.method=worker_extension"], {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "smollm2-extract")],
-    [Job("tiny-kimi-v1", "configs/tiny_kimi.yaml", ALL, KIMI_GPU, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
-     Job("tiny-kimi-mrv2", "configs/tiny_kimi.yaml", ALL[1:], KIMI_GPU, {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-         "tiny-kimi-v1")],
+# Phases run one after the other; the chains of a phase at once, the jobs of a chain in order.
+PHASES = [
+    # the tiny Kimi under both runners (the MRv2 job starts from the V1 job's 01_data once it exists)
+    [[Job("tiny-kimi-v1", "configs/tiny_kimi.yaml", ALL, [SHARE, KIMI_SOURCES, *KIMI_GPU],
+         {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
+     [Job("tiny-kimi-mrv2", "configs/tiny_kimi.yaml", ALL[1:], [SHARE, KIMI_SOURCES, *KIMI_GPU],
+          {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+          "tiny-kimi-v1")]],
+    # SmolLM2 alone on the GPU: the per-stage figures, then what capture costs against plain prefill
+    [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"]),
+      Job("capture-overhead-worker", "configs/demo_gpu.yaml", bench=[
+          "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-extract",
+          "--method", "worker_extension", "--max-samples", "1500", "--out", "$OUT/capture_overhead_worker.json"]),
+      Job("capture-overhead-extract", "configs/demo_gpu.yaml", bench=[
+          "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-extract",
+          "--method", "extract_hidden_states", "--max-samples", "1500", "--out", "$OUT/capture_overhead_extract.json"])]],
+    # stream mode on the one GPU: 02 and 04 at once, against offline, on the demo's 01 and 03
+    [[Job("stream", "configs/demo_gpu.yaml", bench=[
+        "bench/stream.py", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-extract",
+        "--steps", "60", "--packed-length", "8192", "--window-gb", "0.2", "--work", "$WORK/stream",
+        "--set", "target.engine.gpu_memory_utilization=0.4", "--out", "$OUT/stream_gpu.json"])]],
 ]
 LOCK = threading.Lock()
 
@@ -101,7 +115,22 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
             "tolerance": tolerance, "passed": bool(rows) and max(errors.values()) < tolerance}
 
 
+def run_bench(job: Job, out: Path, work: Path, results: dict) -> None:
+    command = [sys.executable, *(arg.replace("$WORK", str(work)).replace("$OUT", str(out)) for arg in job.bench)]
+    started = time.time()
+    log = out / f"{job.name}.log"
+    with open(log, "w") as f:
+        rc = subprocess.call(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **job.environment})
+    results[job.name] = {"exit": rc, "seconds": round(time.time() - started, 1),
+                         "command": "python " + " ".join(command[1:]).replace(str(work), "$WORK").replace(str(out), "$OUT"),
+                         "tail": log.read_text(errors="replace").splitlines()[-6:]}
+    with LOCK:
+        (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=2, default=str))
+
+
 def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
+    if job.bench:
+        return run_bench(job, out, work, results)
     run_dir = work / job.name
     record = results[job.name] = {"config": job.config, "overrides": job.overrides, "environment": job.environment,
                                   "stages": {}}
@@ -111,7 +140,8 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
             while not (work / job.copy_from / name / "manifest.json").exists():  # another chain makes it
                 time.sleep(5)
             shutil.copytree(work / job.copy_from / name, run_dir / name, dirs_exist_ok=True)
-    sets = [arg for override in [*job.overrides, f"run_dir={run_dir}"] for arg in ("--set", override)]
+    overrides = [override.replace("$WORK", str(work)) for override in job.overrides]
+    sets = [arg for override in [*overrides, f"run_dir={run_dir}"] for arg in ("--set", override)]
     for name in job.stages:
         command = [sys.executable, SCRIPTS[name], "--config", job.config, *sets]
         started = time.time()
@@ -125,7 +155,7 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
         stage["tail"] = log.read_text(errors="replace").splitlines()[-6:]
         if name == "02_hidden_states" and rc == 0:
             try:
-                record["hf_check"] = hf_check(job.config, job.overrides, run_dir)
+                record["hf_check"] = hf_check(job.config, overrides, run_dir)
             except Exception as err:  # noqa: BLE001 - recorded as the check's result
                 record["hf_check"] = {"passed": False, "error": repr(err)[:500]}
         if name == "06_validate":
@@ -134,7 +164,7 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
                                   ("verdict", "problems", "mean_acceptance_length", "greedy_identical_fraction",
                                    "without_speculation", "speed")}
             record["validate"]["runs"] = [{k: r.get(k) for k in ("num_speculative_tokens", "mean_acceptance_length",
-                                            "simulated_mean_acceptance_length", "tokens_per_s", "speedup",
+                                            "simulated_mean_acceptance_length", "tokens_per_s", "speedup", "speed",
                                             "skipped_parameters", "shared_from_target")} for r in report.get("runs", [])]
         for manifest in (run_dir / name).glob("manifest.json"):
             stage["manifest"] = {k: v for k, v in json.loads(manifest.read_text()).items()
@@ -152,6 +182,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    write_image_chat(args.work)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
     def run_chain(chain: list[Job]) -> None:
@@ -159,11 +191,12 @@ def main() -> None:
             if not args.only or job.name in args.only.split(","):
                 run_job(job, args.out, args.work, results)
 
-    threads = [threading.Thread(target=run_chain, args=(chain,)) for chain in CHAINS]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for phase in PHASES:
+        threads = [threading.Thread(target=run_chain, args=(chain,)) for chain in phase]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 if __name__ == "__main__":

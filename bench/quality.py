@@ -339,7 +339,7 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
         result = {
             "k": k, "mean_acceptance_length": run.mean_acceptance_length,
             "acceptance_per_position": run.acceptance_per_position, "counters": run.counters,
-            "generate_s": round(run.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
+            "generate_s": round(run.batch.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
             "generated_tokens": run.generated_tokens, "skipped_parameters": run.skipped_parameters,
             "by_source": {source: {"mean_acceptance_length": counts.mean_acceptance_length,
                                    "acceptance_per_position": counts.acceptance_per_position,

@@ -12,6 +12,8 @@ wall time of each stage and of the whole run, and the most stream bytes seen on 
 
     python bench/stream.py                          # writes bench/results/stream.json and stream.md
     python bench/stream.py --samples 32 --steps 16  # smaller
+    python bench/stream.py --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ...
+                                                    # on a GPU: another config, RUN's 01_data and 03_vocab
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 def sets(run_dir: Path, args, stream: bool) -> list[str]:
     values = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
               "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
-              "train.num_workers=0"]
+              "train.num_workers=0", *args.set]
     if stream:
         values += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"]
     return values
@@ -116,13 +118,18 @@ def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
 
 
 def prepare(work: Path, config_path: Path, args) -> Path:
-    """01 from HumanEval chats (real answers, assistant-only loss) and 03, as the tests fabricate them."""
+    """01 from HumanEval chats (real answers, assistant-only loss) and 03, as the tests fabricate them; or those
+    of the run `args.prepared`."""
+    prepared = work / "prepared"
+    shutil.rmtree(prepared, ignore_errors=True)
+    if args.prepared:
+        for stage in ("01_data", "03_vocab"):
+            shutil.copytree(args.prepared / stage, prepared / stage)
+        return prepared
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.stand_ins import ensure_stand_in
     from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
 
-    prepared = work / "prepared"
-    shutil.rmtree(prepared, ignore_errors=True)
     config = load_config(config_path, [f"run_dir={prepared}"])
     samples = _humaneval_chats(ensure_stand_in("smollm2-135m-instruct"), args.samples + 2, args.max_tokens)
     write_data_stage(config, samples[:-2], samples[-2:], vocab=49152)
@@ -143,8 +150,10 @@ def report(results: list[dict], args) -> str:
          f"{stream['most_held_bytes'] / 1e6:.1f} MB (window {stream['window_bytes'] / 1e6:.0f} MB)"),
     ]
     same = offline["losses"] == stream["losses"]
-    lines = [f"{args.samples} HumanEval chats (<= {args.max_tokens} tokens), packed {args.packed_length}, "
-             f"{args.steps} steps, demo target and draft on this CPU; per-step losses equal: {same}", "",
+    largest = max((abs(a - b) for a, b in zip(offline["losses"], stream["losses"])), default=None)
+    data = f"01 and 03 of {args.prepared}" if args.prepared else f"{args.samples} HumanEval chats (<= {args.max_tokens} tokens)"
+    lines = [f"{data}, {args.config}, packed {args.packed_length}, {args.steps} steps; per-step losses equal: {same} "
+             f"(largest difference {largest})", "",
              "| | offline | stream |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
     return "\n".join(lines) + "\n"
 
@@ -158,16 +167,19 @@ def main() -> None:
     parser.add_argument("--window-gb", type=float, default=0.02, help="about 4 packs of 1024 rows")
     parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stream.json")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
+    parser.add_argument("--set", action="append", default=[], help="config override KEY=VALUE for 02 and 04 (repeatable)")
+    parser.add_argument("--prepared", type=Path, default=None, help="a run whose 01_data and 03_vocab to use")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
-    config = args.work / "demo.yaml"
-    shutil.copy(ROOT / "configs" / "demo.yaml", config)
+    config = args.work / args.config.name
+    shutil.copy(args.config, config)
     prepared = prepare(args.work, config, args)
     results = [run_mode(mode, prepared, config, args) for mode in ("offline", "stream")]
     load = os.getloadavg()[0]
     args.out.write_text(json.dumps({"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
-                                    "load_average_1min_at_end": load, "runs": results}, indent=2) + "\n")
+                                    "load_average_1min_at_end": load, "runs": results}, indent=2, default=str) + "\n")
     table = report(results, args)
     args.out.with_suffix(".md").write_text(table)
     print(table)

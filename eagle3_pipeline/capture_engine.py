@@ -89,6 +89,9 @@ def _check_prompt(output, ids: list[int]) -> None:
 
 
 class WorkerExtensionCapturer:
+    # the layers are chosen after the engine starts (patches/capture_worker.py); prefixes must not be skipped
+    ENGINE_SETTINGS = {"enforce_eager": True, "enable_prefix_caching": False}
+
     def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int]):
         from patches.capture_worker import EXTENSION, check_runner_support
 
@@ -99,8 +102,7 @@ class WorkerExtensionCapturer:
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
         self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
         self.column_of = [self.captured_ids.index(i) for i in aux_layer_ids]
-        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION,
-                                enforce_eager=True, enable_prefix_caching=False)
+        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION, **self.ENGINE_SETTINGS)
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
         self.vision = Vision.of_engine(self.llm, model_dir)
 
@@ -116,13 +118,15 @@ class WorkerExtensionCapturer:
 
 
 class ExtractHiddenStatesCapturer:
+    ENGINE_SETTINGS = {"enable_prefix_caching": False}  # a cached prefix would not be prefilled, nor captured
+
     def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int):
         from patches.vllm_cpu_hidden_states_connector import hidden_states_connector
 
         self.num_aux = len(aux_layer_ids)
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")
         self.llm = start_engine(
-            config.target, model_dir, enable_prefix_caching=False,
+            config.target, model_dir, **self.ENGINE_SETTINGS,
             # id num_layers is the last layer's output before the final norm
             speculative_config={
                 "method": "extract_hidden_states",

@@ -324,6 +324,10 @@ class ValidateConfig(Section):
     num_speculative_tokens: list[int] = Field([3], min_length=1, description="one engine start per value")
     max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
     max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
+    latency_prompts: int = Field(
+        8, ge=0, description="eval prompts each engine also runs one at a time: latency, target and draft step "
+        "times, the predicted against the measured speed-up at concurrency 1; 0 = skip"
+    )
     min_acceptance_ratio: float = Field(
         0.5, ge=0, le=1, description="flag a train/serve mismatch below this x eval step-0 accuracy"
     )

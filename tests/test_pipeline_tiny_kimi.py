@@ -10,8 +10,6 @@ Three engine starts (01, 02, 06 with the draft): a few minutes on 2 cores.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import pytest
@@ -19,6 +17,7 @@ from datasets import load_from_disk
 
 from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import STAGES, read_manifest
+from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 from tests.conftest import CONFIGS, run_python
 from tests.no_speculators import without_speculators
 
@@ -28,27 +27,10 @@ SETTINGS = ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every
             "train.log_every=1", "validate.compare_without_speculation=false"]
 
 
-def image_conversation(folder) -> str:
-    """A JSONL file of one chat showing two generated images: one by path, one as a data URL."""
-    from PIL import Image
-
-    pictures = [Image.linear_gradient("L").resize((84, 56)).convert("RGB"), Image.new("RGB", (28, 56), (0, 90, 200))]
-    pictures[0].save(folder / "gradient.png")
-    encoded = io.BytesIO()
-    pictures[1].save(encoded, format="PNG")
-    data_url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
-    content = [{"type": "text", "text": "What differs between these two pictures?"},
-               {"type": "image_url", "image_url": {"url": str(folder / "gradient.png")}},
-               {"type": "image", "image": data_url}]
-    chat = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "The colour."}]}
-    (folder / "pictures.jsonl").write_text(json.dumps(chat) + "\n")
-    return f"{{kind: file, name: {folder / 'pictures.jsonl'}}}"
-
-
 @pytest.mark.vllm
 def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_path):
     run_dir = tmp_path / "run"
-    sources = f"data.sources=[{{kind: magpie, limit: 32, max_tokens: 8}}, {image_conversation(tmp_path)}]"
+    sources = f"data.sources=[{{kind: magpie, limit: 32, max_tokens: 8}}, {{kind: file, name: {write_image_chat(tmp_path)}}}]"
     overrides = [word for setting in [f"run_dir={run_dir}", sources, *SETTINGS] for word in ("--set", setting)]
     manifests, outputs = {}, {}
     for spec in STAGES.values():

@@ -29,7 +29,9 @@ per-name seeded generators, the BPE is trained on a fixed text.
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import json
 import pathlib
 import shutil
@@ -101,10 +103,12 @@ TEXT_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 64,
-    "kv_lora_rank": 512,  # vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576
+    # Kimi-K2.5's own MLA head dims: vLLM's CPU MLA needs kv_lora_rank + qk_rope_head_dim = 576, its GPU
+    # prefill backends (FlashAttention, FlashInfer, TRT-LLM) accept only qk_nope 128 / rope 64 / v 128.
+    "kv_lora_rank": 512,
     "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 64,
-    "v_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
     "hidden_act": "silu",
     "max_position_embeddings": 262144,
     "rope_theta": 50000.0,
@@ -400,3 +404,22 @@ def _write_tiktoken_tokenizer(out_dir: pathlib.Path, vocab: dict[str, int]) -> N
         "model_max_length": TEXT_CONFIG["max_position_embeddings"],
         **NAMED_SPECIALS,
     })
+
+
+def write_image_chat(folder: pathlib.Path) -> pathlib.Path:
+    """A JSONL file (a `kind: file` data source) of one chat showing two generated images, one by path and one as
+    a data URL: the multimodal path through 01's template, 02's vision tower and 06's requests."""
+    from PIL import Image
+
+    pictures = [Image.linear_gradient("L").resize((84, 56)).convert("RGB"), Image.new("RGB", (28, 56), (0, 90, 200))]
+    pictures[0].save(folder / "gradient.png")
+    encoded = io.BytesIO()
+    pictures[1].save(encoded, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    content = [{"type": "text", "text": "What differs between these two pictures?"},
+               {"type": "image_url", "image_url": {"url": str(folder / "gradient.png")}},
+               {"type": "image", "image": data_url}]
+    chat = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "The colour."}]}
+    path = folder / "pictures.jsonl"
+    path.write_text(json.dumps(chat) + "\n")
+    return path

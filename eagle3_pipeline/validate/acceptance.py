@@ -8,6 +8,8 @@ acceptance per source and overall:
     mean acceptance length   1 + accepted / drafts          (tokens per target forward pass)
     acceptance at position i accepted_per_pos[i] / drafts   (draft token i+1 accepted, the ones before it too)
 
+Then the first `validate.latency_prompts` prompts run one at a time, for latency and step times (speed.py).
+
 Callers need a `__main__` guard: vLLM spawns its engine process.
 """
 
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.export_format import speculative_config
-from eagle3_pipeline.validate.weights_probe import PROBE, REPORT, skipped_parameters
+from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
+from eagle3_pipeline.validate.weights_probe import REPORT, skipped_parameters
+from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 from eagle3_pipeline.vision import Vision, request
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -78,10 +83,21 @@ class Divergence:
 
 
 @dataclass
+class SingleRequests(Acceptance):
+    """The prompts run one at a time: their timing, spec-decode counters and the draft's timed rounds."""
+
+    timing: Timing
+    counters: dict[str, int]
+    accepted_per_position: list[int]
+    draft_rounds_s: list[float]  # seconds of each drafting round (k draft steps); empty without a draft
+
+
+@dataclass
 class EngineRun(Acceptance):
     num_speculative_tokens: int  # 0: no speculation
     outputs: list[list[int]]  # generated token ids per prompt
-    seconds: float
+    batch: Timing  # the eval batch: every prompt of a source at once
+    single: SingleRequests | None = None  # the first validate.latency_prompts prompts, one at a time
     counters: dict[str, int] = field(default_factory=dict)
     accepted_per_position: list[int] = field(default_factory=list)
     by_source: dict[str, SourceCounts] = field(default_factory=dict)
@@ -108,10 +124,11 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
 
     settings = {}
     if k:
-        settings = {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": PROBE}
+        settings = {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": WORKER_EXTENSION}
     llm = start_engine(config.target, model_dir, disable_log_stats=False, **settings)
     try:
-        run = EngineRun(k, [[] for _ in prompts], 0.0)
+        largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
+        run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))
         if k:
             record_weights(run, llm.collective_rpc(REPORT))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
@@ -121,15 +138,18 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
             indices = [i for i, p in enumerate(prompts) if p.source == source]
             requests = [request(prompts[i].token_ids, prompts[i].images, vision) for i in indices]
             started = time.perf_counter()
-            for i, result in zip(indices, llm.generate(requests, params, use_tqdm=False)):
+            results = llm.generate(requests, params, use_tqdm=False)
+            run.batch.add(results, time.perf_counter() - started)
+            for i, result in zip(indices, results):
                 run.outputs[i] = list(result.outputs[0].token_ids)
-            run.seconds += time.perf_counter() - started
             after = read_counters(llm.get_metrics(), k)
             run.by_source[source] = SourceCounts({name: after[0][name] - before[0][name] for name in COUNTERS},
                                                  [a - b for a, b in zip(after[1], before[1])], len(indices))
             before = after
         run.counters = {name: sum(c.counters[name] for c in run.by_source.values()) for name in COUNTERS}
         run.accepted_per_position = [sum(pos) for pos in zip(*(c.accepted_per_position for c in run.by_source.values()))]
+        if config.validate_.latency_prompts:
+            run.single = one_at_a_time(llm, vision, prompts[:config.validate_.latency_prompts], params, k)
         for other in compare_with:
             other.divergences = probe_divergences(llm, vision, prompts, run.outputs, other.outputs)
         return run
@@ -137,6 +157,22 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int) -> SingleRequests:
+    """Each prompt alone (concurrency 1): timing, the phase's spec-decode counters, the timed drafting rounds."""
+    timing = Timing(concurrency=1)
+    before = read_counters(llm.get_metrics(), k)
+    if k:
+        llm.collective_rpc(START_DRAFT_TIMING)
+    for prompt in prompts:
+        started = time.perf_counter()
+        results = llm.generate([request(prompt.token_ids, prompt.images, vision)], params, use_tqdm=False)
+        timing.add(results, time.perf_counter() - started)
+    rounds = llm.collective_rpc(DRAFT_TIMING)[0] if k else []  # tensor parallel: every rank drafts in step; rank 0's
+    after = read_counters(llm.get_metrics(), k)
+    return SingleRequests(timing, {name: after[0][name] - before[0][name] for name in COUNTERS},
+                          [a - b for a, b in zip(after[1], before[1])], rounds)
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],

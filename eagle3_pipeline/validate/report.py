@@ -30,6 +30,28 @@ def acceptance_table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def speed_table(report: dict) -> str:
+    """Tokens/s and median latency with and without the draft per phase, the step times and the speed-ups."""
+    def cell(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = ["| k | requests at once | tokens/s with / without | latency p50 s with / without | target step ms | "
+            "draft step ms | AL | predicted speed-up | measured speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for phase, speed in (("eval batch", run["speed"]["eval_batch"]), ("1", run["speed"]["concurrency_1"])):
+            if speed is None:
+                continue
+            with_draft, without = speed["with_draft"], speed["without_draft"] or {}
+            al = speed.get("mean_acceptance_length", run["mean_acceptance_length"])
+            rows.append(
+                f"| {run['num_speculative_tokens']} | {phase} ({with_draft['requests']}) | "
+                f"{with_draft['tokens_per_s']:.1f} / {cell(without.get('tokens_per_s'), '.1f')} | "
+                f"{cell(with_draft['latency_s_p50'], '.3f')} / {cell(without.get('latency_s_p50'), '.3f')} | "
+                f"{cell(speed.get('target_step_ms'), '.2f')} | {cell(speed.get('draft_step_ms'), '.2f')} | "
+                f"{al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
+    return "\n".join(rows)
+
+
 def benchmark_table(report: dict) -> str:
     """Mean acceptance length per eval source (columns) and k, measured by vLLM and simulated by 04 (rows): the
     shape of the published draft tables."""
@@ -79,6 +101,11 @@ def markdown(report: dict) -> str:
                   (f"{report['prompts']} prompts, up to {report['max_tokens']} tokens each. Eval step-0 accuracy "
                    f"from 04_train: {report['eval_step0_accuracy']}; first-position acceptance must reach "
                    f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", "",
+                  "## Speed", "", speed_table(report), "",
+                  ("Eval batch: every prompt of a source at once; 1: the first prompts one at a time. Latency: time "
+                   "to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
+                   "token without the draft; draft step: one timed drafting round / k. Predicted speed-up: "
+                   "AL·T / (T + k·D) (eagle3_pipeline/validate/speed.py)."), "",
                   "## Mean acceptance length per eval source", "", benchmark_table(report), "",
                   "04 simulated: greedy chain drafting replayed on 01's greedy answers by 04's last eval "
                   "(eagle3_pipeline/train/acceptance.py).", "",
@@ -116,6 +143,7 @@ def print_summary(report: dict) -> None:
                                               "num_speculative_tokens", "greedy_identical_fraction")}))
     if report["runs"]:
         print(acceptance_table(report))
+        print(speed_table(report))
         print(benchmark_table(report))
         if any(run["divergences"] for run in report["runs"]):
             print(divergence_table(report))

@@ -8,6 +8,8 @@
               greedy outputs to compare. A train/serve mismatch (position-1 acceptance far below 04's eval
               step-0 accuracy), a parameter vLLM did not load, or a greedy output the draft changed where the
               target's margin is no bf16 near-tie (validate.max_tie_margin) fails the stage.
+    speed     tokens/s and latency with and without the draft, at the eval batch and at concurrency 1, the target's
+              and the draft's step times and the speed-up they predict beside the measured one (speed.py).
 
 Writes report.json, report.md, acceptance.png; the manifest only when everything passed (a failed check
 stays failed on rerun). `check` is the static comparison alone, on any folder or spec.json.
@@ -26,6 +28,7 @@ from eagle3_pipeline.target import target_path
 from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, serve
 from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
+from eagle3_pipeline.validate.speed import speed_report
 
 # What serving an Eagle-3 draft on the target relies on (each reports "not needed" where vLLM needs no help)
 REQUIRED_PATCHES = ("vllm-eagle3-deepseek-kimi", "vllm-eagle3-target-check")
@@ -179,7 +182,7 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
         "max_tokens": config.validate_.max_tokens,
         "runs": runs_json,
         "by_source": by_source(prompts, runs, simulated),
-        "without_speculation": {"tokens_per_s": plain.generated_tokens / plain.seconds} if plain else None,
+        "without_speculation": {"tokens_per_s": plain.batch.tokens_per_s} if plain else None,
         "static_differences": {fmt: [d.to_json() for d in ds] for fmt, ds in static.items()},
         "serving_command": serving_command(config, served, served.name, first.num_speculative_tokens if first else None),
     }
@@ -204,10 +207,10 @@ def by_source(prompts: list[EvalPrompt], runs: list[EngineRun], simulated: dict[
 
 
 def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float]) -> dict:
-    identical = speedup = None
+    identical = None
     if plain is not None:
         identical = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / max(len(run.outputs), 1)
-        speedup = (run.generated_tokens / run.seconds) / (plain.generated_tokens / plain.seconds)
+    speed = speed_report(run, plain)
     return {
         "num_speculative_tokens": run.num_speculative_tokens,
         "mean_acceptance_length": run.mean_acceptance_length,
@@ -220,8 +223,9 @@ def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float
         "greedy_identical_fraction": identical,
         # each prompt whose greedy output differs from the one without the draft (acceptance.Divergence)
         "divergences": [asdict(d) for d in run.divergences],
-        "tokens_per_s": run.generated_tokens / run.seconds,
-        "speedup": speedup,  # tokens/s against the same prompts without speculation (wall clock, batched)
+        "tokens_per_s": run.batch.tokens_per_s,
+        "speedup": speed["eval_batch"]["measured_speedup"],  # tokens/s against the same prompts without the draft
+        "speed": speed,  # both phases: tokens/s, latency, step times, predicted speed-up (speed.py)
         "skipped_parameters": run.skipped_parameters,
         "shared_from_target": run.shared_parameters,
         "ignored_tensors": run.ignored_tensors,

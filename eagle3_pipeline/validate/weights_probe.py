@@ -6,7 +6,7 @@ drops, leaves its parameter uninitialised without a word. After loading, CPU lin
 weights for packed copies, so the values cannot be compared afterwards either.
 
 So the draft's loading itself is recorded. vLLM imports the `worker_extension_cls` module in every worker
-before the model loads (`LLM(worker_extension_cls=PROBE)`); importing this module wraps
+before the model loads (06's `worker.WORKER_EXTENSION` mixes this class in); importing this module wraps
 `Eagle3LlamaForCausalLM.load_weights` to keep, per load, the tensor names it received, the parameters its
 `AutoWeightsLoader` reports loaded and all the parameters the draft has. `llm.collective_rpc(REPORT)` returns
 that from each worker, plus the draft parameters that are the target's own tensors (the embedding, and the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 
-PROBE = "eagle3_pipeline.validate.weights_probe.DraftWeightsProbe"
 REPORT = "draft_weights_report"
 
 _loads: list[dict] = []  # one entry per draft load in this worker process

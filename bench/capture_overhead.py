@@ -1,0 +1,107 @@
+"""What 02's capture costs against plain prefill: the same samples, batches and engine settings, one engine at a time.
+
+    python bench/capture_overhead.py --config configs/demo_gpu.yaml --set run_dir=RUN [--method worker_extension]
+        [--max-samples 2000] --out capture_overhead.json
+
+Reads RUN/01_data (01 must have run). Each engine prefills the samples in batches of `capture.batch_size`, one
+generated token each, as 02 does:
+    plain, capturer's settings   the capture path's engine settings (prefix caching off; the worker extension
+                                 also runs eager), nothing captured
+    plain, config's settings     the run's engine settings with prefix caching off (CUDA graphs and compile as
+                                 configured), where they differ from the capturer's
+    capture                      02's capturer (capture_engine.py): states in the main process, as 02 receives
+                                 them before it writes shards
+Tokens/s per engine (wall clock of the batches, engine start excluded) and capture's time over each plain one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3_pipeline.capture import load_samples  # noqa: E402
+from eagle3_pipeline.config import load_config  # noqa: E402
+from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config  # noqa: E402
+
+
+def timed_batches(samples, batch_size: int, run_batch) -> float:
+    started = time.perf_counter()
+    for start in range(0, len(samples), batch_size):
+        run_batch([(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]])
+    return time.perf_counter() - started
+
+
+def shut_down(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
+    parser.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
+    parser.add_argument("--max-samples", type=int, default=2000)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from eagle3_pipeline.capture_engine import (
+        ExtractHiddenStatesCapturer,
+        WorkerExtensionCapturer,
+        _prompts,
+        choose_method,
+        open_capturer,
+    )
+    from eagle3_pipeline.engine import start_engine
+    from eagle3_pipeline.vision import Vision
+
+    overrides = args.set + ([f"capture.method={args.method}"] if args.method else [])
+    config = load_config(args.config, overrides)
+    model_dir = target_path(config.target)
+    text = text_config(model_dir)
+    method = choose_method(config.capture.method, text)
+    samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"][: args.max_samples]
+    tokens = sum(len(s.input_ids) for s in samples)
+    batch_size = config.capture.batch_size
+    capturer_settings = (ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer).ENGINE_SETTINGS
+    configured_eager = config.target.engine.enforce_eager
+    engines = {"plain, capturer's settings": capturer_settings}
+    if capturer_settings.get("enforce_eager", configured_eager) != configured_eager:
+        engines["plain, config's settings"] = {"enable_prefix_caching": False}
+    rows = {}
+    for name, settings in engines.items():
+        llm = start_engine(config.target, model_dir, **settings)
+        vision = Vision.of_engine(llm, model_dir)
+
+        def prefill(batch):
+            llm.generate(*_prompts(batch, vision), use_tqdm=False)
+
+        prefill([(s.input_ids, list(s.images)) for s in samples[:batch_size]])  # warm-up
+        seconds = timed_batches(samples, batch_size, prefill)
+        rows[name] = {"settings": {"enforce_eager": configured_eager} | settings, "seconds": round(seconds, 2),
+                      "tokens_per_s": tokens / seconds}
+        shut_down(llm)
+    capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]))
+    capturer.capture([(s.input_ids, list(s.images)) for s in samples[:batch_size]])  # warm-up
+    seconds = timed_batches(samples, batch_size, capturer.capture)
+    rows["capture"] = {"method": method, "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
+    shut_down(capturer.llm)
+    result = {"config": args.config, "overrides": overrides, "samples": len(samples), "tokens": tokens,
+              "batch_size": batch_size, "engines": rows,
+              "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
+                                     for name, row in rows.items() if name != "capture"}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

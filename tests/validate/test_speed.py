@@ -1,0 +1,90 @@
+"""06's speed figures: the quantiles, a phase's timing from vLLM's request timestamps, the draft step timer in a
+worker, and the speed-up AL·T / (T + k·D) from measured step times (the engine runs: test_vllm_validate.py)."""
+
+from __future__ import annotations
+
+import random
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from eagle3_pipeline.validate.acceptance import EngineRun, SingleRequests
+from eagle3_pipeline.validate.speed import DraftStepTimer, Timing, quantile, speed_report
+
+
+def test_quantile_matches_numpys_linear_interpolation():
+    rng = random.Random(0)
+    for size in (1, 2, 7, 30):
+        values = [rng.uniform(0, 5) for _ in range(size)]
+        for q in (0.0, 0.5, 0.9, 1.0):
+            assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)))
+    assert quantile([], 0.5) is None
+
+
+def result(tokens: int, first_token_latency: float, first_ts: float, last_ts: float):
+    """What `llm.generate` returns per request, down to the fields Timing reads."""
+    stats = SimpleNamespace(first_token_latency=first_token_latency, first_token_ts=first_ts, last_token_ts=last_ts)
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(tokens)))], metrics=stats)
+
+
+def test_timing_reads_latency_and_decode_step_from_request_timestamps():
+    timing = Timing(concurrency=2)
+    timing.add([result(11, 0.5, 100.0, 102.0), result(1, 0.25, 200.0, 200.0)], seconds=3.0)
+    assert timing.generated_tokens == 12 and timing.tokens_per_s == 4.0
+    assert timing.latencies_s == [2.5, 0.25]
+    assert timing.step_s == [0.2]  # 2 s over 10 decoded tokens; a one-token answer has no decode step
+
+
+class Runner:
+    def __init__(self, attribute: str, seconds: float):
+        proposer = SimpleNamespace(calls=0)
+
+        def propose(*args):
+            proposer.calls += 1
+            time.sleep(seconds)
+            return args
+
+        proposer.propose = propose
+        setattr(self, attribute, proposer)
+
+
+@pytest.mark.parametrize("attribute", ["drafter", "speculator"])  # V1, Model Runner V2
+def test_draft_step_timer_times_each_propose_while_recording(attribute):
+    worker = SimpleNamespace(model_runner=Runner(attribute, 0.02))
+    proposer = getattr(worker.model_runner, attribute)
+    DraftStepTimer.start_draft_timing(worker)
+    DraftStepTimer.start_draft_timing(worker)  # wraps once
+    assert proposer.propose(1, 2) == (1, 2)
+    proposer.propose()
+    seconds = DraftStepTimer.draft_timing(worker)
+    assert len(seconds) == 2 and all(0.015 < s < 0.5 for s in seconds)
+    proposer.propose()  # not recording any more
+    assert proposer.calls == 3
+    DraftStepTimer.start_draft_timing(worker)
+    assert DraftStepTimer.draft_timing(worker) == []
+
+
+def test_draft_step_timer_needs_a_drafter():
+    with pytest.raises(RuntimeError, match="no speculator or drafter"):
+        DraftStepTimer.start_draft_timing(SimpleNamespace(model_runner=SimpleNamespace(drafter=None)))
+
+
+def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float], accepted: int, drafts: int):
+    timing = Timing(concurrency=1, generated_tokens=round(tokens_per_s), seconds=1.0, latencies_s=[1.0],
+                    step_s=[step_s])
+    counters = {"num_drafts": drafts, "num_draft_tokens": k * drafts, "num_accepted_tokens": accepted}
+    single = SingleRequests(timing, counters, [accepted] + [0] * (k - 1) if k else [], rounds_s)
+    return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), single)
+
+
+def test_speed_report_predicts_al_t_over_t_plus_k_d():
+    plain = engine_run(0, step_s=0.010, tokens_per_s=100, rounds_s=[], accepted=0, drafts=0)
+    drafted = engine_run(3, step_s=0.020, tokens_per_s=150, rounds_s=[0.006, 0.003, 0.009], accepted=100, drafts=50)
+    speed = speed_report(drafted, plain)["concurrency_1"]
+    assert speed["mean_acceptance_length"] == 3.0  # 1 + 100 / 50
+    assert speed["target_step_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
+    assert speed["predicted_speedup"] == pytest.approx(3.0 * 10 / (10 + 3 * 2))
+    assert speed["measured_speedup"] == pytest.approx(1.5)
+    assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None  # no target step without a plain run
