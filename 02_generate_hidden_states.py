@@ -11,7 +11,7 @@ Writes <run_dir>/02_hidden_states/: shard_NNNNN.safetensors (aux states [T, n_au
 A killed run resumes at the first shard that is not complete and verified.
 
 Stream mode (capture.mode: stream): only the eval split goes into shards; the train split is captured in 04's
-pack order into a bounded window while 04 trains (start both; README "Beyond one disk"):
+pack order into a bounded window while 04 trains (start both; docs/stream.md):
 
     python 02_generate_hidden_states.py --config configs/demo.yaml --set capture.mode=stream &
     python 04_train.py --config configs/demo.yaml --set capture.mode=stream

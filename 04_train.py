@@ -11,7 +11,7 @@ Writes: <run_dir>/04_train/  checkpoints/step_N/ (model.safetensors, optimizer, 
     python 04_train.py --config configs/demo.yaml --resume                 # continue from the last checkpoint
     tensorboard --logdir runs/demo/04_train/tensorboard
 
-With capture.mode stream, start it beside 02, which feeds it while it trains (README "Beyond one disk").
+With capture.mode stream, start it beside 02, which feeds it while it trains (docs/stream.md).
 """
 
 from eagle3_pipeline.cli import run_stage, stage_parser

@@ -71,7 +71,8 @@ def main() -> None:
     samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"][: args.max_samples]
     tokens = sum(len(s.input_ids) for s in samples)
     batch_size = config.capture.batch_size
-    capturer_settings = (ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer).ENGINE_SETTINGS
+    capturer_class = ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer
+    capturer_settings = capturer_class.ENGINE_SETTINGS
     configured_eager = config.target.engine.enforce_eager
     engines = {"plain, capturer's settings": capturer_settings}
     if capturer_settings.get("enforce_eager", configured_eager) != configured_eager:

@@ -38,9 +38,12 @@ from eagle3_pipeline.target import target_path  # noqa: E402
 SCRIPTS = {spec.name: spec.script for spec in STAGES.values()}
 ALL = tuple(SCRIPTS)
 # 02 against transformers (fp32 reference, same tokens): the relative error a capture dtype allows. bf16: the
-# states are stored in bf16 (0.4% rounding) after 30 layers of bf16 kernels whose sums round otherwise than
-# fp32's (transformers' own bf16 forward is 0.2-1.8% off its fp32 one on SmolLM2); fp32: kernel order only.
+# states are stored in bf16 (0.4% rounding) after many layers of bf16 kernels whose sums round otherwise than
+# fp32's, so the bound is 3% or 1.5x transformers' own bf16 forward's error against its fp32 one on the same
+# samples, whichever is larger (SmolLM2's bf16 forward is 0.2-1.8% off; the random tiny Kimi's, whose MoE routing
+# flips under bf16 rounding, 3-6%); fp32: kernel order only.
 TOLERANCE = {"bfloat16": 0.03, "float32": 0.005}
+OWN_ERROR_MARGIN = 1.5
 KIMI_GPU = ["target.engine.enforce_eager=false", "target.engine.cpu_reserved_cores=null", "train.mixed_precision=bf16",
             "train.compile=true"]
 SHARE = "target.engine.gpu_memory_utilization=0.25"  # where jobs share the GPU at once, each engine takes a quarter
@@ -85,7 +88,8 @@ LOCK = threading.Lock()
 
 
 def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int = 8) -> dict:
-    """Relative error of 02's aux states (each layer id) and of norm(final) against transformers' fp32 forward."""
+    """Relative error of 02's aux states (each layer id) and of norm(final) against transformers' fp32 forward,
+    beside that of transformers' own forward in the capture dtype."""
     from datasets import load_from_disk
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -95,24 +99,37 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
     split = load_from_disk(str(run_dir / "01_data" / "train"))
     rows = [row for row in split if not row.get("images")][:samples]
     architecture = AutoConfig.from_pretrained(model_dir, trust_remote_code=config.target.trust_remote_code)
-    multimodal = hasattr(architecture, "text_config")
-    loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-    model = loader.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    text_model = model.model.language_model if multimodal else model.model
+    loader = AutoModelForImageTextToText if hasattr(architecture, "text_config") else AutoModelForCausalLM
+    dtypes = {"float32": torch.float32, config.capture.dtype: getattr(torch, config.capture.dtype)}
+    text_models = {}
+    for name, dtype in dtypes.items():
+        model = loader.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+        text_models[name] = model.model.language_model if hasattr(architecture, "text_config") else model.model
     errors: dict[str, float] = {}
+    own_errors: dict[str, float] = {}  # transformers in the capture dtype against transformers in fp32
     for row in rows:
         aux, final = reader.get(row["id"])
+        ids = torch.tensor([row["input_ids"]]).cuda()
         with torch.no_grad():
-            hidden = text_model(input_ids=torch.tensor([row["input_ids"]]).cuda(), output_hidden_states=True).hidden_states
-            pairs = [(f"id {i}", aux[:, j], hidden[i][0]) for j, i in enumerate(layout["aux_layer_ids"])]
-            pairs.append(("final", text_model.norm(final.cuda().float()), hidden[-1][0]))
-            for name, actual, expected in pairs:
-                expected = expected.float()
-                error = ((actual.cuda().float() - expected).norm() / expected.norm()).item()
-                errors[name] = max(errors.get(name, 0.0), error)
-    tolerance = TOLERANCE[config.capture.dtype]
+            hidden = {name: m(input_ids=ids, output_hidden_states=True).hidden_states
+                      for name, m in text_models.items()}
+            expected = {f"id {i}": hidden["float32"][i][0] for i in layout["aux_layer_ids"]}
+            expected["final"] = hidden["float32"][-1][0]
+            captured = {f"id {i}": aux[:, j] for j, i in enumerate(layout["aux_layer_ids"])}
+            captured["final"] = text_models["float32"].norm(final.cuda().float())
+            own = {f"id {i}": hidden[config.capture.dtype][i][0] for i in layout["aux_layer_ids"]}
+            own["final"] = hidden[config.capture.dtype][-1][0]
+            for name, reference in expected.items():
+                reference = reference.float()
+                for table, actual in ((errors, captured[name]), (own_errors, own[name])):
+                    error = ((actual.cuda().float() - reference).norm() / reference.norm()).item()
+                    table[name] = max(table.get(name, 0.0), error)
+    base = TOLERANCE[config.capture.dtype]
+    tolerance = {name: base if config.capture.dtype == "float32" else max(base, OWN_ERROR_MARGIN * own_errors[name])
+                 for name in errors}
     return {"samples": len(rows), "dtype": config.capture.dtype, "max_relative_error": errors,
-            "tolerance": tolerance, "passed": bool(rows) and max(errors.values()) < tolerance}
+            "transformers_own_error": own_errors, "tolerance": tolerance,
+            "passed": bool(rows) and all(errors[name] < tolerance[name] for name in errors)}
 
 
 def run_bench(job: Job, out: Path, work: Path, results: dict) -> None:
@@ -138,6 +155,10 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
         first = ALL.index(job.stages[0])
         for name in ALL[:first]:
             while not (work / job.copy_from / name / "manifest.json").exists():  # another chain makes it
+                source = results.get(job.copy_from, {}).get("stages", {})
+                if any(stage["exit"] != 0 for stage in source.values()):
+                    record["skipped"] = f"{job.copy_from} failed before its {name}"
+                    return
                 time.sleep(5)
             shutil.copytree(work / job.copy_from / name, run_dir / name, dirs_exist_ok=True)
     overrides = [override.replace("$WORK", str(work)) for override in job.overrides]

@@ -3,6 +3,7 @@
     python -m eagle3_pipeline config configs/demo.yaml [--set train.max_steps=10]   # validate, print resolved
     python -m eagle3_pipeline stand-ins [NAME ...]                                  # build stand-in targets
     python -m eagle3_pipeline stages                                                # the stages, in order
+    python -m eagle3_pipeline config-reference                                      # docs/config.md
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import yaml
 
 from eagle3_pipeline.config import ConfigError, load_config
+from eagle3_pipeline.config_reference import reference
 from eagle3_pipeline.stage_io import STAGES
 from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
 
@@ -28,10 +30,14 @@ def main() -> int:
     build = commands.add_parser("stand-ins", help="build stand-in targets into the cache")
     build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
     commands.add_parser("stages", help="list the stages: script, module, what each reads and writes")
+    commands.add_parser("config-reference", help="print docs/config.md: every knob, type, default, description")
     args = parser.parse_args()
 
     if args.command == "stages":
         print_stages()
+        return 0
+    if args.command == "config-reference":
+        print(reference(), end="")
         return 0
 
     if args.command == "config":

@@ -130,7 +130,7 @@ class DataConfig(Section):
 
 # -------------------------------------------------------------------------------------------- capture
 class MooncakeConfig(Section):
-    """capture.stream.transport mooncake: the states pass through a Mooncake store (README "Beyond one node").
+    """capture.stream.transport mooncake: the states pass through a Mooncake store (docs/mooncake.md).
 
     Every capture job and trainer process is a client of one `mooncake_master`; the capture jobs lend the store
     its memory (`segment_gb` each), the trainer lends none. All of them use the same values here."""

@@ -1,5 +1,5 @@
 """The Mooncake store as the stream's transport (`capture.stream.transport: mooncake`): capture and trainer nodes
-that share no filesystem exchange the states through the memory of a Mooncake store (README "Beyond one node").
+that share no filesystem exchange the states through the memory of a Mooncake store (docs/mooncake.md).
 
 Mooncake's own Python client (`mooncake.store.MooncakeDistributedStore`) is used directly rather than through
 hs-connectors' `MooncakeHiddenStatesStore`: that class stores one vLLM request per object under a transfer
@@ -75,8 +75,8 @@ class MooncakeTransport:
                 from mooncake.store import MooncakeDistributedStore
             except ImportError as err:
                 raise StageError(f"capture.stream.transport mooncake needs the Mooncake client ({err}): run "
-                                 "`make setup` (mooncake-transfer-engine-non-cuda; on GPU nodes see README "
-                                 "\"Beyond one node\" for the build to install)") from None
+                                 "`make setup` (mooncake-transfer-engine-non-cuda; on GPU nodes see "
+                                 "docs/mooncake.md for the build to install)") from None
             client = MooncakeDistributedStore()
             hostname = self.settings.local_hostname or socket.gethostname()
             status = client.setup(hostname, "P2PHANDSHAKE", self.lend_bytes, self.buffer_bytes, self.settings.protocol,

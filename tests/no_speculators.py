@@ -1,4 +1,4 @@
-"""A Python environment where `import speculators` fails, as in README's vLLM 0.16 environment (vLLM 0.16 needs
+"""A Python environment where `import speculators` fails, as in docs/vllm016.md's environment (vLLM 0.16 needs
 transformers<5, speculators 0.9 needs >=5, so that environment has no speculators).
 
 `without_speculators(folder)` writes a `sitecustomize.py` into `folder` that puts a meta-path finder first,

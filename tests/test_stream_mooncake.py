@@ -24,7 +24,7 @@ from tests.test_stream import streamed_tiny_run
 from tests.train.fabricate import tiny_run
 from tests.train.test_train_stage import LEARNED, records, torchrun_04
 
-MASTER_GONE_WITHIN_S = 60  # README "Beyond one node": the batch in flight, then the engine's shutdown
+MASTER_GONE_WITHIN_S = 60  # docs/mooncake.md: the batch in flight, then the engine's shutdown
 
 
 def config_for(tmp_path: Path, master: str, admin_port: int, *overrides: str):

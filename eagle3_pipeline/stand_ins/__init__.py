@@ -25,8 +25,8 @@ from eagle3_pipeline.stage_io import atomic_path
 # the options)
 BUILDERS = {
     "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1, {}),
-    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 3, {"tokenizer": "fast"}),
-    "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 2, {"tokenizer": "tiktoken"}),
+    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 4, {"tokenizer": "fast"}),
+    "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 3, {"tokenizer": "tiktoken"}),
 }
 
 

@@ -135,6 +135,10 @@ VISION_CONFIG = {  # field names of transformers' Kimi_K25VisionConfig, which vL
     "pos_emb_height": 8,
     "pos_emb_width": 8,
     "pos_emb_time": 4,
+    # the same under the real checkpoint's names, which vLLM 0.26's own KimiK25VisionConfig reads
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 4,
     "num_attention_heads": 2,
     "num_hidden_layers": 1,
     "hidden_size": 64,

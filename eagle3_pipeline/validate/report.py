@@ -35,7 +35,7 @@ def speed_table(report: dict) -> str:
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    rows = ["| k | requests at once | tokens/s with / without | latency p50 s with / without | target step ms | "
+    rows = ["| k | phase (requests) | tokens/s with / without | latency p50 s with / without | target step ms | "
             "draft step ms | AL | predicted speed-up | measured speed-up |", "|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for phase, speed in (("eval batch", run["speed"]["eval_batch"]), ("1", run["speed"]["concurrency_1"])):
@@ -102,8 +102,8 @@ def markdown(report: dict) -> str:
                    f"from 04_train: {report['eval_step0_accuracy']}; first-position acceptance must reach "
                    f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", "",
                   "## Speed", "", speed_table(report), "",
-                  ("Eval batch: every prompt of a source at once; 1: the first prompts one at a time. Latency: time "
-                   "to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
+                  ("Eval batch: the prompts of each eval source submitted at once; 1: the first prompts one at a "
+                   "time. Latency: time to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
                    "token without the draft; draft step: one timed drafting round / k. Predicted speed-up: "
                    "AL·T / (T + k·D) (eagle3_pipeline/validate/speed.py)."), "",
                   "## Mean acceptance length per eval source", "", benchmark_table(report), "",

@@ -87,4 +87,5 @@ def test_speed_report_predicts_al_t_over_t_plus_k_d():
     assert speed["target_step_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
     assert speed["predicted_speedup"] == pytest.approx(3.0 * 10 / (10 + 3 * 2))
     assert speed["measured_speedup"] == pytest.approx(1.5)
-    assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None  # no target step without a plain run
+    # no target step without a run without the draft
+    assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None
