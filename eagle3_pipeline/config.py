@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eagle3_pipeline import config_reads
+
 STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken")
 
 
@@ -23,6 +25,10 @@ class ConfigError(Exception):
 class Section(BaseModel):
     # Unknown keys are errors: a misspelt knob must never be silently ignored.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __getattribute__(self, name: str) -> Any:
+        config_reads.note(self, name)  # a no-op unless the reads are recorded (config_reads.py)
+        return super().__getattribute__(name)
 
 
 # --------------------------------------------------------------------------------------------- target
@@ -321,7 +327,10 @@ class ExportConfig(Section):
 
 
 class ValidateConfig(Section):
-    num_speculative_tokens: list[int] = Field([3], min_length=1, description="one engine start per value")
+    num_speculative_tokens: list[int] = Field(
+        [3], min_length=1, description="one engine start per value; 04 simulates acceptance at these k (and up to "
+        "max_tokens), so a change makes 04 stale"
+    )
     max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
     max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
     latency_prompts: int = Field(
@@ -426,4 +435,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
     if isinstance(tree, dict):
         apply_overrides(tree, list(overrides))
-    return parse_config(tree, str(path))
+    config = parse_config(tree, str(path))
+    config_reads.record_if_requested(config)
+    return config

@@ -61,7 +61,7 @@ def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -
     with stage.timed("load"):
         state = load_checkpoint_state(step_dir, reference)
     metrics = eval_metrics(train_dir, int(step_dir.name.removeprefix("step_")))
-    card = model_card_facts(config, step_dir, metrics, facts)
+    card = model_card_facts(config, step_dir, metrics, facts, stage.input_dir("01_data"))
 
     for fmt in config.export.formats:
         with stage.timed(fmt):
@@ -195,8 +195,8 @@ def write_export(stage: Stage, fmt: str, state: dict, config_json: dict, card: d
     return stage.path(fmt)
 
 
-def model_card_facts(config: RunConfig, step_dir: Path, metrics: dict | None, facts: dict) -> dict:
-    data = read_manifest(Path(config.run_dir) / "01_data") or {}
+def model_card_facts(config: RunConfig, step_dir: Path, metrics: dict | None, facts: dict, data_dir: Path) -> dict:
+    data = read_manifest(data_dir) or {}
     return {"config": config, "checkpoint": step_dir.name, "metrics": metrics, "facts": facts,
             "data_counts": data.get("counts", {})}
 

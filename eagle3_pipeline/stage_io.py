@@ -49,6 +49,9 @@ class StageSpec:
     # values change this stage's output
     inputs: tuple[str, ...]  # earlier stages it reads
     writes: str  # what its folder holds
+    # config entries it reads that change none of its outputs, each with its reason where the stage is declared;
+    # everything else it reads is in `sections` or in an earlier stage's (tests/stage_reads.py checks it)
+    unfingerprinted: tuple[str, ...] = ()
 
 
 STAGES: dict[str, StageSpec] = {
@@ -57,24 +60,35 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("01_data", "01_prepare_data.py", "eagle3_pipeline.prepare_data",
                   ("eagle3_pipeline.prepare_data", "eagle3_pipeline.data"), ("target", "data"), (),
                   "tokenized, assistant-only loss-masked train and eval splits, token frequencies, stats"),
-        # capture.stream (where and how much states wait) changes no tensor: not in the fingerprint
         StageSpec("02_hidden_states", "02_generate_hidden_states.py", "eagle3_pipeline.capture",
                   ("eagle3_pipeline.capture", "eagle3_pipeline.capture_engine"),
                   ("target", "capture.aux_layer_ids", "capture.dtype", "capture.method", "capture.samples_per_shard",
                    "capture.batch_size", "capture.mode"), ("01_data",),
-                  "the target's aux and final hidden states per sample, in verified shards, and their index"),
+                  "the target's aux and final hidden states per sample, in verified shards, and their index",
+                  # where and how much states wait on their way to 04 changes no tensor
+                  unfingerprinted=("capture.stream",)),
         StageSpec("03_vocab", "03_build_vocab_map.py", "eagle3_pipeline.vocab", ("eagle3_pipeline.vocab",),
                   ("vocab", "draft.draft_vocab_size"), ("01_data",), "the draft vocabulary: d2t, t2d, coverage"),
         StageSpec("04_train", "04_train.py", "eagle3_pipeline.train.loop", ("eagle3_pipeline.train",),
-                  ("draft", "train"), ("01_data", "02_hidden_states", "03_vocab"),
+                  # its eval simulates vLLM's acceptance at the k and answer length 06 validates at
+                  ("draft", "train", "validate.num_speculative_tokens", "validate.max_tokens"),
+                  ("01_data", "02_hidden_states", "03_vocab"),
                   "checkpoints, metrics.jsonl, TensorBoard logs, curves.png"),
         StageSpec("05_export", "05_export.py", "eagle3_pipeline.export", ("eagle3_pipeline.export",),
-                  ("export",), ("04_train",), "one draft folder per export format: weights, config, spec, model card"),
+                  ("export",), ("04_train", "01_data"), "one draft folder per export format: weights, config, spec, model card"),
         StageSpec("06_validate", "06_validate.py", "eagle3_pipeline.validate.stage", ("eagle3_pipeline.validate",),
-                  ("validate",), ("05_export",), "the static check and vLLM's acceptance: report.json, report.md, "
+                  ("validate",), ("05_export", "01_data"), "the static check and vLLM's acceptance: report.json, report.md, "
                   "acceptance.png"),
     )
 }
+
+
+def upstream_of(name: str) -> set[str]:
+    """Every stage whose output stage `name` depends on, directly or through other stages."""
+    found: set[str] = set()
+    for parent in STAGES[name].inputs:
+        found |= {parent} | upstream_of(parent)
+    return found
 
 
 def config_values(config: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -187,28 +201,34 @@ class Stage:
         return f"rerun `python {spec.script} --config <config>`"
 
     def check_inputs(self) -> dict[str, str]:
-        """Every input stage complete, made under the current config and not older than its own inputs."""
-        input_hashes = {}
-        for name in self.spec.inputs:
-            spec = STAGES[name]
-            manifest = read_proof(self.run_dir / name)
-            if manifest is None:
-                raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
-            current = config_values(self.resolved, spec.sections)
-            if manifest.get("fingerprint") != fingerprint(current):
-                recorded = config_values(manifest.get("config", {}), spec.sections)
-                changed = [s for s in spec.sections if recorded[s] != current[s]]
-                raise StageError(
-                    f"{name} was produced under a different config (changed: {', '.join(changed) or 'unknown'}): "
-                    f"{self._rerun_hint(spec)} --force"
-                )
-            for upstream, recorded in manifest.get("inputs", {}).items():
-                if recorded != _manifest_hash(self.run_dir / upstream):
-                    raise StageError(
-                        f"{name} is older than {upstream}, which was redone since: {self._rerun_hint(spec)} --force"
-                    )
-            input_hashes[name] = _manifest_hash(self.run_dir / name)
+        """Every input stage complete, made under the current config and not older than its own inputs, and so
+        on up to the first stage: a key an earlier stage's fingerprint covers makes every later stage stale."""
+        input_hashes = {name: self._check_input(name) for name in self.spec.inputs}
+        for name in upstream_of(self.spec.name) - set(self.spec.inputs):
+            self._check_input(name)
         return input_hashes
+
+    def _check_input(self, name: str) -> str:
+        """The hash of stage `name`'s proof, once it is complete, current under this config and newer than its
+        own inputs."""
+        spec = STAGES[name]
+        manifest = read_proof(self.run_dir / name)
+        if manifest is None:
+            raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
+        current = config_values(self.resolved, spec.sections)
+        if manifest.get("fingerprint") != fingerprint(current):
+            recorded = config_values(manifest.get("config", {}), spec.sections)
+            changed = [s for s in spec.sections if recorded[s] != current[s]]
+            raise StageError(
+                f"{name} was produced under a different config (changed: {', '.join(changed) or 'unknown'}): "
+                f"{self._rerun_hint(spec)} --force"
+            )
+        for upstream, recorded in manifest.get("inputs", {}).items():
+            if recorded != _manifest_hash(self.run_dir / upstream):
+                raise StageError(
+                    f"{name} is older than {upstream}, which was redone since: {self._rerun_hint(spec)} --force"
+                )
+        return _manifest_hash(self.run_dir / name)
 
     # ----------------------------------------------------------------------------------- lifecycle
     def is_complete(self) -> bool:
@@ -226,6 +246,7 @@ class Stage:
         inputs_now = {name: _manifest_hash(self.run_dir / name) for name in self.spec.inputs}
         if manifest.get("inputs") != inputs_now:
             raise StageError(f"{self.spec.name} is older than its inputs, which were redone since: rerun with --force")
+        self.check_inputs()  # an earlier stage made under another config makes this one stale too
         print(f"{self.spec.name}: already complete ({self.dir / MANIFEST}); nothing to do (--force redoes it)")
         return True
 

@@ -68,6 +68,15 @@ def test_stage_older_than_its_redone_input_is_refused(tmp_path):
     assert toy(tmp_path, "03_vocab", "--force").returncode == 0
 
 
+def test_a_finished_stage_is_stale_once_an_earlier_stages_config_changes(tmp_path):
+    """03 does not fingerprint `data`, but its input does: 03 is no longer complete, and says which stage to redo."""
+    assert toy(tmp_path, "01_data").returncode == 0
+    assert toy(tmp_path, "03_vocab").returncode == 0
+    stale = toy(tmp_path, "03_vocab", "--set", "data.max_seq_len=99")
+    assert stale.returncode == 1 and "already complete" not in stale.stdout
+    assert "01_data was produced under a different config (changed: data)" in stale.stderr
+
+
 def test_changed_config_does_not_overwrite_a_finished_stage_without_force(tmp_path):
     assert toy(tmp_path, "01_data").returncode == 0
     before = manifest(tmp_path, "01_data")

@@ -58,7 +58,7 @@ def run(config: RunConfig, force: bool = False) -> None:
     step0 = eval_metrics.get("eval_accuracy", [None])[0]
     runs, plain, prompts = [], None, []
     if not problems:
-        prompts = eval_prompts(config)
+        prompts = eval_prompts(config, stage.input_dir("01_data"))
         runs, plain = serve_all(stage, config, served, prompts)
         problems += dynamic_problems(runs, step0, config.validate_)
     else:
@@ -101,12 +101,12 @@ def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
     return Spec(recorded["config"], recorded["tensors"])
 
 
-def eval_prompts(config: RunConfig) -> list[EvalPrompt]:
+def eval_prompts(config: RunConfig, data_dir: Path | None = None) -> list[EvalPrompt]:
     """01's eval split, templated prompts (`prompt_ids`, one per served turn) with their source and images, the
     first `validate.max_prompts`."""
     from datasets import load_from_disk
 
-    data_dir = Path(config.run_dir) / "01_data"
+    data_dir = data_dir or Path(config.run_dir) / "01_data"
     if read_manifest(data_dir) is None or not (data_dir / "eval").is_dir():
         raise StageError(f"{data_dir} holds no finished eval split: rerun 01_prepare_data.py")
     split = load_from_disk(str(data_dir / "eval"))

@@ -86,8 +86,9 @@ def test_demo_draft_is_accepted_and_keeps_smollm2s_greedy_outputs(validated_demo
 @pytest.mark.vllm
 def test_speed_phases_and_the_draft_rounds_vllm_counted(validated_demo):
     """06's speed section from the engines: both phases timed, and at concurrency 1 the draft step timer saw
-    the drafting rounds vLLM's counters count (each verified draft was proposed in a timed round; a request's
-    last round goes unverified)."""
+    the drafting rounds vLLM's counters count: each verified draft was proposed in a timed round, and a request
+    leaves at most two rounds unverified (its last; with asynchronous scheduling one more: the tiny Kimi on vLLM
+    CPU left 2 over 2 requests, SmolLM2 on the H200 under MRv2 25 over 16)."""
     config, report = validated_demo
     speed = report["runs"][0]["speed"]
     batch, single = speed["eval_batch"], speed["concurrency_1"]
@@ -95,7 +96,7 @@ def test_speed_phases_and_the_draft_rounds_vllm_counted(validated_demo):
     assert batch["with_draft"]["latency_s_p50"] > 0 and batch["measured_speedup"] == report["runs"][0]["speedup"]
     requests = single["with_draft"]["requests"]
     assert requests == single["without_draft"]["requests"] == min(config.validate_.latency_prompts, report["prompts"])
-    assert single["num_drafts"] <= single["draft_rounds_timed"] <= single["num_drafts"] + requests
+    assert single["num_drafts"] <= single["draft_rounds_timed"] <= single["num_drafts"] + 2 * requests
     assert single["target_step_ms"] > 0 and single["draft_step_ms"] > 0
     print(f"\nspeed at concurrency 1: {single}")
 
