@@ -182,8 +182,7 @@ def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_t
           f"stream: the eval split's {(total - train) * per_token / 2**30:.2f} GiB + a window of "
           f"{settings.window_gb:g} GB (capture.stream.window_gb), {train:,} train tokens captured again each epoch")
     needed = sum(p.tokens for p in todo) * per_token
-    if stage.config.capture.mode == "stream" and settings.transport == "directory" and settings.dir is None:
-        # the window lives in the stage folder
+    if stage.config.capture.mode == "stream" and stream.transport_class(stage.config).window_in_stage_folder(settings):
         needed += int(settings.window_gb * 1e9)
     free = shutil.disk_usage(stage.dir).free
     print(f"disk: this job needs {needed / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free")
@@ -224,12 +223,8 @@ def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publi
     identity = stream_identity(stage.dir)  # None while another job (sharing this folder) completes the eval split
     names = stream.published_names(stage.dir) if publish else []
     published = sum(stage.path(name).stat().st_size for name in names)
-    lend = 0
-    if config.capture.stream.transport == "mooncake":
-        from eagle3_pipeline.stream_mooncake import lend_bytes
-
-        lend = lend_bytes(config.capture.stream.mooncake, stream.share_bytes(config.capture.stream, num_shards),
-                          published)
+    lend = stream.transport_class(config).lend_bytes(
+        config.capture.stream, stream.share_bytes(config.capture.stream, num_shards), published)
     transport = stream.open_transport(config, identity, stream.largest_item_bytes(config, per_token), lend)
     if publish:
         transport.clear_other_streams()

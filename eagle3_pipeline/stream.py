@@ -25,15 +25,15 @@ Window: each job keeps the bytes of its own items (the one being written include
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import re
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from safetensors.torch import load as load_bytes
@@ -41,7 +41,7 @@ from safetensors.torch import save as save_bytes
 
 from eagle3_pipeline import hidden_states_store as store
 from eagle3_pipeline.config import RunConfig, StreamConfig
-from eagle3_pipeline.stage_io import MANIFEST, StageError, atomic_path, read_json, write_json_atomic
+from eagle3_pipeline.stage_io import MANIFEST, StageError
 
 CONSUMER = "consumer"
 FIRST_MESSAGE_AFTER_S = 5.0  # a wait shorter than this is routine and says nothing
@@ -72,8 +72,17 @@ def largest_item_bytes(config: RunConfig, per_token: int) -> int:
 
 # ------------------------------------------------------------------------------------------- transport
 class Transport(Protocol):
-    """Where items and records live between the two sides; an item is visible only once complete."""
+    """Where items and records live between the two sides; an item is visible only once complete. A transport is
+    one module implementing this, named in `TRANSPORTS`; capture.py and 04's loop use only these methods."""
 
+    shares_folder: ClassVar[bool]  # every side sees the same run_dir: 02's folder is not published and fetched
+
+    @classmethod
+    def open(cls, config: RunConfig, identity: str | None, item_bytes: int, lend_bytes: int) -> Transport: ...
+    @staticmethod
+    def lend_bytes(settings: StreamConfig, share_bytes: int, published_bytes: int) -> int: ...  # a capture job's
+    @staticmethod
+    def window_in_stage_folder(settings: StreamConfig) -> bool: ...  # 02's disk plan counts the window there
     def put(self, position: int, data: bytes) -> None: ...
     def get(self, position: int) -> bytes | None: ...
     def delete(self, position: int) -> None: ...
@@ -84,87 +93,37 @@ class Transport(Protocol):
     def record_names(self) -> list[str]: ...
     def describe(self) -> str: ...  # where the stream passes, for messages
     def end_stream(self) -> None: ...  # every side has finished: let go of what the stream holds
+    def clear_other_streams(self) -> None: ...  # a stream opened afresh owns the transport's space
+    def publish(self, folder: Path, names: list[str]) -> int: ...  # put 02's files for the other nodes; bytes
+    def published(self) -> dict | None: ...  # their listing (name -> chunks, bytes, sha256), None before
+    def fetch(self, folder: Path, listing: dict) -> None: ...  # write them into this node's folder
+    def close(self) -> None: ...
 
 
-class DirectoryTransport:
-    """Items as files in one folder: local NVMe, /dev/shm, or a shared filesystem between two machines."""
-
-    ITEM = re.compile(r"^\.?pack_(\d{10})\.safetensors(\.tmp-\d+)?$")
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-
-    def _item(self, position: int) -> Path:
-        return self.folder / f"pack_{position:010d}.safetensors"
-
-    def put(self, position: int, data: bytes) -> None:
-        with atomic_path(self._item(position)) as tmp:
-            tmp.write_bytes(data)
-
-    def get(self, position: int) -> bytes | None:
-        try:
-            return self._item(position).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def delete(self, position: int) -> None:
-        self._item(position).unlink(missing_ok=True)
-
-    def sizes(self) -> dict[int, int]:
-        held: dict[int, int] = {}
-        for entry in os.scandir(self.folder):
-            match = self.ITEM.match(entry.name)
-            if match:
-                try:
-                    held[int(match[1])] = held.get(int(match[1]), 0) + entry.stat().st_size
-                except FileNotFoundError:  # deleted between listing and stat
-                    pass
-        return held
-
-    def discard_partial(self, shard_index: int, num_shards: int) -> None:
-        """Remove the half-written items a killed capture job left (only its own positions)."""
-        for entry in os.scandir(self.folder):
-            match = self.ITEM.match(entry.name)
-            if match and match[2] and int(match[1]) % num_shards == shard_index:
-                Path(entry.path).unlink(missing_ok=True)
-
-    def write_record(self, name: str, record: dict) -> None:
-        write_json_atomic(self.folder / f"{name}.json", record)
-
-    def read_record(self, name: str) -> dict | None:
-        return read_json(self.folder / f"{name}.json")
-
-    def record_names(self) -> list[str]:
-        return sorted(path.stem for path in self.folder.glob("*.json"))
-
-    def describe(self) -> str:
-        return str(self.folder)
-
-    def end_stream(self) -> None:
-        """The records stay in the folder: they tell what the stream did."""
+# Which transport each `capture.stream.transport` names: a module and class implementing `Transport`.
+TRANSPORTS = {
+    "directory": "eagle3_pipeline.stream_directory.DirectoryTransport",
+    "mooncake": "eagle3_pipeline.stream_mooncake.MooncakeTransport",
+}
 
 
-def stream_dir(config: RunConfig) -> Path:
-    return Path(config.capture.stream.dir or Path(config.run_dir) / "02_hidden_states" / "stream")
+def transport_class(config: RunConfig) -> type[Transport]:
+    """The class of the configured transport (imported only when chosen: Mooncake's client is optional)."""
+    module, _, name = TRANSPORTS[config.capture.stream.transport].rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def open_transport(config: RunConfig, identity: str | None = None, item_bytes: int = 0,
                    lend_bytes: int = 0) -> Transport:
-    """The configured transport. Mooncake's is tied to one stream (`identity`; None reads the published files
-    only), moves objects of up to `item_bytes`, and lends the store `lend_bytes` of this process's memory."""
-    settings = config.capture.stream
-    if settings.transport == "mooncake":
-        from eagle3_pipeline.stream_mooncake import MooncakeTransport
-
-        return MooncakeTransport(settings.mooncake, identity, item_bytes, lend_bytes)
-    return DirectoryTransport(stream_dir(config))
+    """The configured transport, tied to one stream (`identity`; None reads the published files only), moving
+    objects of up to `item_bytes`, lending the store `lend_bytes` of this process's memory where it has one."""
+    return transport_class(config).open(config, identity, item_bytes, lend_bytes)
 
 
 def shares_folder(config: RunConfig) -> bool:
-    """True when every side of the stream sees the same run_dir (the directory transport); with Mooncake, 02's
-    folder reaches the other nodes through the store (job 0 publishes it, `fetch_folder` writes it elsewhere)."""
-    return config.capture.stream.transport == "directory"
+    """True when every side of the stream sees the same run_dir; otherwise 02's folder reaches the other nodes
+    through the transport (job 0 publishes it, `fetch_folder` writes it elsewhere)."""
+    return transport_class(config).shares_folder
 
 
 def published_names(stage_dir: Path) -> list[str]:

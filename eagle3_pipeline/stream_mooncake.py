@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle3_pipeline.config import MooncakeConfig
+from eagle3_pipeline.config import MooncakeConfig, RunConfig, StreamConfig
 from eagle3_pipeline.stage_io import StageError, atomic_path
 
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND status
@@ -52,6 +52,24 @@ class MooncakeTransport:
     the published files (before the stream's identity is known). `buffer_bytes` must hold the largest object
     moved (an item or a file chunk); `lend_bytes` is the memory this process lends the store (capture jobs;
     at least MIN_SEGMENT_BYTES when not 0)."""
+
+    shares_folder = False  # 02's folder travels through the store (publish, fetch)
+
+    @classmethod
+    def open(cls, config: RunConfig, identity: str | None, item_bytes: int, lend_bytes: int) -> MooncakeTransport:
+        return cls(config.capture.stream.mooncake, identity, item_bytes, lend_bytes)
+
+    @staticmethod
+    def lend_bytes(settings: StreamConfig, share_bytes: int, published_bytes: int) -> int:
+        """The memory a capture job lends the store: `segment_gb`, or its share of the window kept under the
+        eviction threshold, plus what it publishes."""
+        if settings.mooncake.segment_gb is not None:
+            return int(settings.mooncake.segment_gb * 1e9)
+        return int(share_bytes / EVICTION_HEADROOM) + published_bytes + FILE_CHUNK_BYTES
+
+    @staticmethod
+    def window_in_stage_folder(settings: StreamConfig) -> bool:
+        return False
 
     def __init__(self, settings: MooncakeConfig, stream_id: str | None, buffer_bytes: int, lend_bytes: int = 0):
         self.settings, self.stream_id = settings, stream_id
@@ -232,11 +250,3 @@ class MooncakeTransport:
                 (folder / name).unlink()
                 raise StageError(f"{self.describe()}: published file {name} does not match its hash; rerun "
                                  "02_generate_hidden_states.py job 0")
-
-
-def lend_bytes(settings: MooncakeConfig, share_bytes: int, published_bytes: int) -> int:
-    """The memory a capture job lends the store: `segment_gb`, or its share of the window kept under the
-    eviction threshold, plus what it publishes."""
-    if settings.segment_gb is not None:
-        return int(settings.segment_gb * 1e9)
-    return int(share_bytes / EVICTION_HEADROOM) + published_bytes + FILE_CHUNK_BYTES

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import typing
 import uuid
 from pathlib import Path
 
@@ -14,12 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
+from eagle3_pipeline.config import RunConfig, StreamConfig, apply_overrides, load_config, parse_config
 from eagle3_pipeline.hidden_states_store import SampleStates
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
-from eagle3_pipeline.stream import CONSUMER, PackItem, Producer, decode_item, encode_item, open_transport
+from eagle3_pipeline.stream import (CONSUMER, TRANSPORTS, PackItem, Producer, Transport, decode_item, encode_item,
+                                    open_transport, transport_class)
 from eagle3_pipeline.train import loop
+from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings
 from tests.train.fabricate import (
     TINY,
@@ -234,3 +237,16 @@ def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(t
     assert producer.next_positions(lambda p: (p,), lambda pack: 100, 4) == [5]
     producer.put(5, b"x" * 100, 1)
     assert sorted(transport.sizes()) == [4, 5]
+
+
+def test_every_transport_the_config_names_is_registered_and_implements_the_interface():
+    """A transport is one module behind `stream.Transport`: the config's choices and the registry agree, and each
+    registered class has every member the interface names."""
+    kinds = typing.get_args(StreamConfig.model_fields["transport"].annotation)
+    assert set(TRANSPORTS) == set(kinds)
+    members = set(Transport.__annotations__) | {n for n in vars(Transport) if not n.startswith("_")}
+    assert {"open", "put", "publish", "fetch", "close", "shares_folder", "lend_bytes"} <= members
+    for kind in kinds:
+        config = load_config(CONFIGS / "demo.yaml", ["run_dir=/tmp/unused", f"capture.stream.transport={kind}"])
+        cls = transport_class(config)
+        assert not [m for m in members if not hasattr(cls, m)], (kind, [m for m in members if not hasattr(cls, m)])
