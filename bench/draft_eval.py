@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3_pipeline.pack_plan import plan_packs
-from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, replay_batch, target_proposals
+from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.data import PackedRows
 from eagle3_pipeline.train.draft_model import VerifierTargets
@@ -132,7 +133,7 @@ def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = 
     steps = max([ttt_steps, *ks])  # a k past the trained steps unrolls the chain further
     totals = torch.zeros(4, steps)
     sources = dict.fromkeys(sample["source"] for sample in eval_rows.samples)
-    chains = {(source, k): ChainCounts(k) for source in sources for k in ks}
+    chains = {(source, k): AcceptanceCounts(k) for source in sources for k in ks}
     for batch, pack in zip(eval_rows.batches(aux_width, model.hidden_size), eval_rows.packs):
         batch_totals, top1 = unroll(model, batch, steps)
         totals += batch_totals

@@ -56,6 +56,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from eagle3_pipeline.acceptance import metric_key  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 PY = sys.executable
@@ -338,12 +340,12 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
         run = serve(config, target_path(config.target), prompts, Path(record["export"]), k)
         result = {
             "k": k, "mean_acceptance_length": run.mean_acceptance_length,
-            "acceptance_per_position": run.acceptance_per_position, "counters": run.counters,
+            "acceptance_per_position": run.acceptance_per_position, "counters": run.counts.vllm_counters(),
             "generate_s": round(run.batch.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
             "generated_tokens": run.generated_tokens, "skipped_parameters": run.skipped_parameters,
             "by_source": {source: {"mean_acceptance_length": counts.mean_acceptance_length,
                                    "acceptance_per_position": counts.acceptance_per_position,
-                                   "num_drafts": counts.counters["num_drafts"], "prompts": counts.prompts}
+                                   "num_drafts": counts.counts.drafts, "prompts": counts.prompts}
                           for source, counts in run.by_source.items()},
             "outputs": run.outputs,
         }
@@ -382,11 +384,11 @@ def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
                 "acceptance_per_position_max": [max(p) for p in positions],
                 "num_drafts": [run["counters"]["num_drafts"] for run in runs],
                 "skipped_parameters": sorted({p for run in runs for p in run["skipped_parameters"]}),
-                "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}"] for r in mine]),
+                "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k)] for r in mine]),
                 "by_source": {source: {
                     "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"]
                                                       for run in runs]),
-                    "simulated_mean_acceptance_length": spread([r["shared_eval"][f"al_k{k}/{source}"] for r in mine]),
+                    "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k, source=source)] for r in mine]),
                     "acceptance_per_position": [statistics.fmean(run["by_source"][source]["acceptance_per_position"][i]
                                                                  for run in runs) for i in range(k)],
                     "prompts": runs[0]["by_source"][source]["prompts"],
@@ -455,7 +457,7 @@ def comparison_lines(report: dict) -> list[str]:
         for k in ks:
             if str(k) in e["k"]:
                 base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
-                base_sim = statistics.fmean(r["shared_eval"][f"al_k{k}"] for r in base_runs)
+                base_sim = statistics.fmean(r["shared_eval"][metric_key(k)] for r in base_runs)
                 line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
                          f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
                          f" vs {base_sim:.3f})")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline.acceptance import is_metric_key, metric_key, overall_ks
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import serving_command
 from eagle3_pipeline.export_format import (
@@ -39,7 +40,6 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_jso
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import build_draft
-from eagle3_pipeline.train.metrics import AL_KEY
 
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
@@ -133,7 +133,7 @@ def eval_metrics(train_dir: Path, step: int) -> dict | None:
     steps = range(sum(1 for key in record if key.startswith("acc_")))
     return {"step": step, "eval_accuracy": [round(record[f"acc_{k}"], 6) for k in steps],
             "eval_loss": [round(record[f"loss_{k}"], 6) for k in steps],
-            "simulated_acceptance": {key: round(value, 6) for key, value in record.items() if key.startswith("al_k")}}
+            "simulated_acceptance": {key: round(value, 6) for key, value in record.items() if is_metric_key(key)}}
 
 
 def parameter_count(state: dict[str, torch.Tensor]) -> int:
@@ -212,10 +212,10 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
         f"| {k} | {acc:.4f} | {loss:.4f} |" for k, (acc, loss) in enumerate(zip(metrics["eval_accuracy"], metrics["eval_loss"]))
     ] if metrics else ["no eval record at this checkpoint"]
     simulated = (metrics or {}).get("simulated_acceptance") or {}
-    ks = sorted(int(key[4:]) for key in simulated if AL_KEY.fullmatch(key))
-    per_position = {k: ", ".join(format(simulated[f"al_k{k}_pos{i}"], ".3f") for i in range(1, k + 1)) for k in ks}
+    ks = overall_ks(simulated)
+    per_position = {k: ", ".join(format(simulated[metric_key(k, i)], ".3f") for i in range(1, k + 1)) for k in ks}
     simulated_lines = ["| k | mean acceptance length | acceptance per position |", "|---|---|---|"] + [
-        f"| {k} | {simulated[f'al_k{k}']:.3f} | {per_position[k]} |" for k in ks
+        f"| {k} | {simulated[metric_key(k)]:.3f} | {per_position[k]} |" for k in ks
     ] if ks else ["not simulated (the eval answers are not the target's greedy ones)"]
     draft = config.draft.model_dump()
     train = config.train.model_dump()

@@ -20,41 +20,11 @@ vLLM's bf16 arithmetic in the draft, and answers that the serving run writes dif
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class ChainCounts:
-    """vLLM's spec-decode counters for one k, summed over served turns."""
-
-    k: int
-    drafts: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.accepted_per_position = self.accepted_per_position or [0] * self.k
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.drafts, self.accepted, *self.accepted_per_position], dtype=torch.float64)
-
-    @classmethod
-    def from_tensor(cls, k: int, values: torch.Tensor) -> ChainCounts:
-        drafts, accepted, *per_position = (int(v) for v in values.tolist())
-        return cls(k, drafts, accepted, per_position)
-
-    def __add__(self, other: ChainCounts) -> ChainCounts:
-        return ChainCounts(self.k, self.drafts + other.drafts, self.accepted + other.accepted,
-                           [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)])
-
-    def metrics(self) -> dict[str, float]:
-        """`al_k<k>` (mean acceptance length) and `al_k<k>_pos<i>` (acceptance rate at draft position i)."""
-        drafts = max(self.drafts, 1)
-        values = {f"al_k{self.k}": 1 + self.accepted / drafts}
-        values |= {f"al_k{self.k}_pos{i + 1}": n / drafts for i, n in enumerate(self.accepted_per_position)}
-        return values
+from eagle3_pipeline.acceptance import AcceptanceCounts
 
 
 def leading_matches(proposals: torch.Tensor, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
@@ -75,12 +45,13 @@ def leading_matches(proposals: torch.Tensor, input_ids: torch.Tensor, document_i
     return leading
 
 
-def replay(leading: list[int], first_row: int, answer_tokens: int, max_tokens: int, counts: ChainCounts) -> None:
+def replay(leading: list[int], first_row: int, answer_tokens: int, max_tokens: int, counts: AcceptanceCounts) -> None:
     """Greedy chain drafting at `counts.k` over one served turn whose first draft reads row `first_row`."""
     generated, row = 1, first_row
     while generated < min(max_tokens, answer_tokens):
         accepted = min(leading[row], counts.k)
         counts.drafts += 1
+        counts.draft_tokens += counts.k
         counts.accepted += accepted
         for position in range(accepted):
             counts.accepted_per_position[position] += 1
@@ -120,7 +91,7 @@ def target_proposals(top1: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
 
 
 def replay_batch(proposals: torch.Tensor, batch: dict, packs: list[tuple[int, ...]], samples: list[dict],
-                 max_tokens: int, chains: dict[tuple[str, int], ChainCounts]) -> None:
+                 max_tokens: int, chains: dict[tuple[str, int], AcceptanceCounts]) -> None:
     """Replay every served turn of one batch of packed rows into `chains` (keyed by (source, k)).
 
     proposals [B, S, L] target ids; batch: the packed rows' input_ids and document_ids; packs: each row's
@@ -133,12 +104,12 @@ def replay_batch(proposals: torch.Tensor, batch: dict, packs: list[tuple[int, ..
                     replay(row_leading, turn.first_row, turn.answer_tokens, max_tokens, counts)
 
 
-def chain_metrics(chains: dict[tuple[str, int], ChainCounts]) -> dict[str, float]:
-    """`al_k<k>...` over all sources and `al_k<k>.../<source>` per source, from counts keyed by (source, k)."""
+def chain_metrics(chains: dict[tuple[str, int], AcceptanceCounts]) -> dict[str, float]:
+    """The metric keys over all sources and per source, from counts keyed by (source, k)."""
     values, overall = {}, {}
     for (source, k), counts in chains.items():
-        values |= {f"{key}/{source}": value for key, value in counts.metrics().items()}
-        overall[k] = overall.get(k, ChainCounts(k)) + counts
+        values |= counts.metrics(source)
+        overall[k] = overall.get(k, AcceptanceCounts(k)) + counts
     for counts in overall.values():
         values |= counts.metrics()
     return values

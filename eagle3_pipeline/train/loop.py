@@ -30,7 +30,8 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_ident
 from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
                                     shares_folder)
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.train.acceptance import ChainCounts, chain_metrics, is_served, replay_batch, target_proposals
+from eagle3_pipeline.acceptance import AcceptanceCounts, is_metric_key
+from eagle3_pipeline.train.acceptance import chain_metrics, is_served, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
@@ -418,7 +419,7 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
     weights = [*step_weights, *[0.0] * (steps - train.ttt_steps)]
     packs = rank_share(inputs.eval_packs, accelerator.process_index, accelerator.num_processes)
     sources = sorted({sample["source"] for sample in inputs.eval_samples})
-    chains = {(source, k): ChainCounts(k) for source in sources for k in ks}
+    chains = {(source, k): AcceptanceCounts(k) for source in sources for k in ks}
     d2t = accelerator.unwrap_model(model).d2t
     stats = torch.zeros(3, steps, device=accelerator.device)
     for index, batch in enumerate(_loader(inputs.eval_rows, packs, train, accelerator)):
@@ -432,14 +433,15 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
     values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"))
     if not ks:
         return values
-    summed = accelerator.reduce(torch.stack([c.as_tensor() for c in chains.values()]).to(accelerator.device), "sum")
-    chains = {key: ChainCounts.from_tensor(key[1], row.cpu()) for key, row in zip(chains, summed)}
+    counts = torch.tensor([c.as_list() for c in chains.values()], dtype=torch.float64, device=accelerator.device)
+    summed = accelerator.reduce(counts, "sum")
+    chains = {key: AcceptanceCounts.from_list(key[1], row.tolist()) for key, row in zip(chains, summed)}
     return values | chain_metrics(chains)
 
 
 def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:
     steps = range(train.ttt_steps)
-    simulated = {key: round(value, 6) for key, value in (eval_values or {}).items() if key.startswith("al_k")}
+    simulated = {key: round(value, 6) for key, value in (eval_values or {}).items() if is_metric_key(key)}
     return {
         "steps": train.max_steps,
         "train_tokens_this_launch": meter.total_tokens,

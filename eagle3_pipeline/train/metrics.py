@@ -17,15 +17,14 @@ A resumed run first drops records past its checkpoint, so the files read as one 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.acceptance import metric_key, overall_ks
 from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
 
-AL_KEY = re.compile(r"al_k\d+")  # simulated mean acceptance length at k (acceptance.py); al_k3_pos1 etc. per position
 
 
 def summarize(stats: torch.Tensor) -> dict[str, float]:
@@ -88,7 +87,8 @@ class MetricsLog:
         matplotlib.use("Agg")  # no display on training nodes
         import matplotlib.pyplot as plt
 
-        simulated = sorted({key for r in self.records if r["split"] == "eval" for key in r if AL_KEY.fullmatch(key)})
+        ks = overall_ks({key for r in self.records if r["split"] == "eval" for key in r})
+        simulated = [metric_key(k) for k in ks]
         fig, axes = plt.subplots(1, 3 if simulated else 2, figsize=(18 if simulated else 12, 4.5))
         for key in simulated:  # acceptance.py: what vLLM would measure, from the eval forward
             axes[2].plot(*zip(*[(r["step"], r[key]) for r in self.records if key in r]), "o-",

@@ -8,6 +8,8 @@ acceptance per source and overall:
     mean acceptance length   1 + accepted / drafts          (tokens per target forward pass)
     acceptance at position i accepted_per_pos[i] / drafts   (draft token i+1 accepted, the ones before it too)
 
+as `eagle3_pipeline.acceptance.AcceptanceCounts`, the type 04's simulation produces too.
+
 Then the first `validate.latency_prompts` prompts run one at a time, for latency and step times (speed.py).
 
 Callers need a `__main__` guard: vLLM spawns its engine process.
@@ -21,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.export_format import speculative_config
@@ -29,7 +32,6 @@ from eagle3_pipeline.validate.weights_probe import REPORT, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 from eagle3_pipeline.vision import Vision, request
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -42,28 +44,25 @@ class EvalPrompt:
     images: list[bytes] = ()  # the images' file bytes (vision.request hands them to vLLM)
 
 
-class Acceptance:
-    """What vLLM's counters say, for a class with `counters` and `accepted_per_position`."""
+class Counted:
+    """A run, or a part of one, with vLLM's spec-decode counts over it."""
 
-    counters: dict[str, int]
-    accepted_per_position: list[int]
+    counts: AcceptanceCounts
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1 + self.counters["num_accepted_tokens"] / max(self.counters["num_drafts"], 1)
+        return self.counts.mean_acceptance_length
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        drafts = max(self.counters["num_drafts"], 1)
-        return [accepted / drafts for accepted in self.accepted_per_position]
+        return self.counts.acceptance_per_position
 
 
 @dataclass
-class SourceCounts(Acceptance):
-    """The spec-decode counters of one eval source's prompts (the difference of two readings)."""
+class SourceCounts(Counted):
+    """The spec-decode counts of one eval source's prompts (the difference of two readings)."""
 
-    counters: dict[str, int]
-    accepted_per_position: list[int]
+    counts: AcceptanceCounts
     prompts: int
 
 
@@ -83,23 +82,21 @@ class Divergence:
 
 
 @dataclass
-class SingleRequests(Acceptance):
-    """The prompts run one at a time: their timing, spec-decode counters and the draft's timed rounds."""
+class SingleRequests(Counted):
+    """The prompts run one at a time: their timing, spec-decode counts and the draft's timed rounds."""
 
     timing: Timing
-    counters: dict[str, int]
-    accepted_per_position: list[int]
+    counts: AcceptanceCounts
     draft_rounds_s: list[float]  # seconds of each drafting round (k draft steps); empty without a draft
 
 
 @dataclass
-class EngineRun(Acceptance):
+class EngineRun(Counted):
     num_speculative_tokens: int  # 0: no speculation
     outputs: list[list[int]]  # generated token ids per prompt
     batch: Timing  # the eval batch: every prompt of a source at once
     single: SingleRequests | None = None  # the first validate.latency_prompts prompts, one at a time
-    counters: dict[str, int] = field(default_factory=dict)
-    accepted_per_position: list[int] = field(default_factory=list)
+    counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(0))  # over the eval batch
     by_source: dict[str, SourceCounts] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)  # against the run without speculation
     skipped_parameters: list[str] = field(default_factory=list)
@@ -143,11 +140,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
             for i, result in zip(indices, results):
                 run.outputs[i] = list(result.outputs[0].token_ids)
             after = read_counters(llm.get_metrics(), k)
-            run.by_source[source] = SourceCounts({name: after[0][name] - before[0][name] for name in COUNTERS},
-                                                 [a - b for a, b in zip(after[1], before[1])], len(indices))
+            run.by_source[source] = SourceCounts(after - before, len(indices))
             before = after
-        run.counters = {name: sum(c.counters[name] for c in run.by_source.values()) for name in COUNTERS}
-        run.accepted_per_position = [sum(pos) for pos in zip(*(c.accepted_per_position for c in run.by_source.values()))]
+        run.counts = sum((c.counts for c in run.by_source.values()), AcceptanceCounts(k))
         if config.validate_.latency_prompts:
             run.single = one_at_a_time(llm, vision, prompts[:config.validate_.latency_prompts], params, k)
         for other in compare_with:
@@ -171,8 +166,7 @@ def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params,
         timing.add(results, time.perf_counter() - started)
     rounds = llm.collective_rpc(DRAFT_TIMING)[0] if k else []  # tensor parallel: every rank drafts in step; rank 0's
     after = read_counters(llm.get_metrics(), k)
-    return SingleRequests(timing, {name: after[0][name] - before[0][name] for name in COUNTERS},
-                          [a - b for a, b in zip(after[1], before[1])], rounds)
+    return SingleRequests(timing, after - before, rounds)
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],
@@ -210,10 +204,9 @@ def record_weights(run: EngineRun, reports: list[dict]) -> None:
         run.shared_parameters = sorted(set(run.shared_parameters) | set(report["shared"]))
 
 
-def read_counters(metrics: list, k: int) -> tuple[dict[str, int], list[int]]:
-    """The spec-decode counters of an engine so far (summed over label sets, e.g. engines): (counters,
-    accepted per position)."""
-    counters = dict.fromkeys(COUNTERS, 0)
+def read_counters(metrics: list, k: int) -> AcceptanceCounts:
+    """The spec-decode counters of an engine so far (summed over label sets, e.g. engines)."""
+    counters = dict.fromkeys(AcceptanceCounts(k).vllm_counters(), 0)
     per_position = [0] * k
     for metric in metrics:
         name = metric.name.removeprefix("vllm:spec_decode_")
@@ -221,4 +214,5 @@ def read_counters(metrics: list, k: int) -> tuple[dict[str, int], list[int]]:
             counters[name] += int(metric.value)
         elif metric.name == PER_POSITION:
             per_position = [a + int(b) for a, b in zip(per_position, metric.values)]
-    return counters, per_position
+    return AcceptanceCounts(k, counters["num_drafts"], counters["num_draft_tokens"], counters["num_accepted_tokens"],
+                            per_position)

@@ -96,7 +96,7 @@ def speed_report(run, plain) -> dict:
         "with_draft": single.timing.to_json(),
         "without_draft": plain_single.timing.to_json() if plain_single else None,
         "mean_acceptance_length": acceptance_length,
-        "num_drafts": single.counters["num_drafts"],  # vLLM's counter over this phase
+        "num_drafts": single.counts.drafts,  # vLLM's counter over this phase
         "draft_rounds_timed": len(single.draft_rounds_s),
         "target_step_ms": target_step * 1e3 if target_step else None,
         "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,

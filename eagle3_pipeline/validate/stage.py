@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from eagle3_pipeline.acceptance import metric_key
 from eagle3_pipeline.config import RunConfig, ValidateConfig
 from eagle3_pipeline.engine import serving_command
 from eagle3_pipeline.export_format import Spec, read_spec, reference_spec, spec_format
@@ -145,7 +146,7 @@ def dynamic_problems(runs: list[EngineRun], step0: float | None, validate: Valid
         tag = f"k={run.num_speculative_tokens}"
         if run.skipped_parameters:
             problems.append(f"{tag}: vLLM did not load these draft parameters from the export: {run.skipped_parameters}")
-        if run.counters["num_drafts"] == 0:
+        if run.counts.drafts == 0:
             problems.append(f"{tag}: vLLM proposed no drafts: speculation did not run")
         elif step0 is not None and run.acceptance_per_position[0] < ratio * step0:
             problems.append(f"{tag}: train/serve mismatch: position-1 acceptance {run.acceptance_per_position[0]:.3f} "
@@ -189,7 +190,7 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
 
 
 def by_source(prompts: list[EvalPrompt], runs: list[EngineRun], simulated: dict[str, float]) -> dict:
-    """Per eval source and k: vLLM's acceptance, and 04's simulated one (`al_k<k>/<source>` keys) where recorded."""
+    """Per eval source and k: vLLM's acceptance, and 04's simulated one (its metric keys) where recorded."""
     report = {}
     for source in dict.fromkeys(p.source for p in prompts):
         report[source] = {"prompts": sum(p.source == source for p in prompts), "runs": []}
@@ -199,9 +200,9 @@ def by_source(prompts: list[EvalPrompt], runs: list[EngineRun], simulated: dict[
                 "num_speculative_tokens": k,
                 "mean_acceptance_length": counts.mean_acceptance_length,
                 "acceptance_per_position": counts.acceptance_per_position,
-                "num_drafts": counts.counters["num_drafts"],
-                "simulated_mean_acceptance_length": simulated.get(f"al_k{k}/{source}"),
-                "simulated_acceptance_per_position": [simulated.get(f"al_k{k}_pos{i}/{source}") for i in range(1, k + 1)],
+                "num_drafts": counts.counts.drafts,
+                "simulated_mean_acceptance_length": simulated.get(metric_key(k, source=source)),
+                "simulated_acceptance_per_position": [simulated.get(metric_key(k, i, source)) for i in range(1, k + 1)],
             })
     return report
 
@@ -215,11 +216,9 @@ def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float
         "num_speculative_tokens": run.num_speculative_tokens,
         "mean_acceptance_length": run.mean_acceptance_length,
         "acceptance_per_position": run.acceptance_per_position,
-        "simulated_mean_acceptance_length": simulated.get(f"al_k{run.num_speculative_tokens}"),  # 04's eval
-        "num_drafts": run.counters["num_drafts"],
-        "num_draft_tokens": run.counters["num_draft_tokens"],
-        "num_accepted_tokens": run.counters["num_accepted_tokens"],
-        "accepted_per_position": run.accepted_per_position,
+        "simulated_mean_acceptance_length": simulated.get(metric_key(run.num_speculative_tokens)),  # 04's eval
+        **run.counts.vllm_counters(),
+        "accepted_per_position": run.counts.accepted_per_position,
         "greedy_identical_fraction": identical,
         # each prompt whose greedy output differs from the one without the draft (acceptance.Divergence)
         "divergences": [asdict(d) for d in run.divergences],

@@ -8,7 +8,8 @@ import zlib
 import pytest
 import torch
 
-from eagle3_pipeline.train.acceptance import ChainCounts, leading_matches, replay, served_turns
+from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.train.acceptance import leading_matches, replay, served_turns
 
 
 def draft_next(context: tuple[int, ...], truth: dict[tuple[int, ...], int]) -> int:
@@ -19,9 +20,9 @@ def draft_next(context: tuple[int, ...], truth: dict[tuple[int, ...], int]) -> i
     return 10_000 + len(context)  # never a sample token
 
 
-def speculative_decoding(prompt: list[int], answer: list[int], k: int, max_tokens: int, truth) -> ChainCounts:
+def speculative_decoding(prompt: list[int], answer: list[int], k: int, max_tokens: int, truth) -> AcceptanceCounts:
     """What vLLM does with greedy sampling: the target writes `answer`; the draft chains k tokens on its own."""
-    counts = ChainCounts(k)
+    counts = AcceptanceCounts(k)
     sequence, n = list(prompt) + [answer[0]], min(max_tokens, len(answer))
     while len(sequence) - len(prompt) < n:
         proposed, context = [], tuple(sequence)
@@ -33,6 +34,7 @@ def speculative_decoding(prompt: list[int], answer: list[int], k: int, max_token
         while accepted < k and g + accepted < len(answer) and proposed[accepted] == answer[g + accepted]:
             accepted += 1
         counts.drafts += 1
+        counts.draft_tokens += k  # vLLM counts every proposed token
         counts.accepted += accepted
         for i in range(accepted):
             counts.accepted_per_position[i] += 1
@@ -66,7 +68,7 @@ def test_replay_on_the_ttt_forward_counts_what_speculative_decoding_counts(k, ma
     proposals, input_ids, document_ids = packed_proposals(samples, k, 256, truth)
     leading = leading_matches(proposals, input_ids, document_ids)[0].tolist()
     rows = [{"source": "s", "seq_len": len(p) + len(a), "prompt_len": len(p)} for p, a in samples]
-    simulated, expected = ChainCounts(k), ChainCounts(k)
+    simulated, expected = AcceptanceCounts(k), AcceptanceCounts(k)
     for turn, (prompt, answer) in zip(served_turns(rows), samples):
         replay(leading, turn.first_row, turn.answer_tokens, max_tokens, simulated)
         expected = expected + speculative_decoding(prompt, answer, k, max_tokens, truth)

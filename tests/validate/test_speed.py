@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.validate.acceptance import EngineRun, SingleRequests
 from eagle3_pipeline.validate.speed import DraftStepTimer, Timing, quantile, speed_report
 
@@ -74,8 +75,8 @@ def test_draft_step_timer_needs_a_drafter():
 def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float], accepted: int, drafts: int):
     timing = Timing(concurrency=1, generated_tokens=round(tokens_per_s), seconds=1.0, latencies_s=[1.0],
                     step_s=[step_s])
-    counters = {"num_drafts": drafts, "num_draft_tokens": k * drafts, "num_accepted_tokens": accepted}
-    single = SingleRequests(timing, counters, [accepted] + [0] * (k - 1) if k else [], rounds_s)
+    counts = AcceptanceCounts(k, drafts, k * drafts, accepted, [accepted] + [0] * (k - 1) if k else [])
+    single = SingleRequests(timing, counts, rounds_s)
     return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), single)
 
 
