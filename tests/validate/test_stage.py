@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from eagle3_pipeline.config import ValidateConfig
 from eagle3_pipeline.validate.acceptance import Divergence, EngineRun, read_counters
+from eagle3_pipeline.validate.speed import Timing
 from eagle3_pipeline.validate.stage import dynamic_problems
 
 VALIDATE = ValidateConfig(min_acceptance_ratio=0.5, max_tie_margin=0.5)
@@ -16,15 +17,15 @@ class Metric:  # the fields of vllm.v1.metrics.reader's Counter / Vector that re
 
 
 def served(drafts: int, accepted_per_position: list[int], skipped: list[str] | None = None) -> EngineRun:
-    counters, per_position = read_counters([
+    counts = read_counters([
         Metric("vllm:spec_decode_num_drafts", drafts),
         Metric("vllm:spec_decode_num_draft_tokens", drafts * len(accepted_per_position)),
         Metric("vllm:spec_decode_num_accepted_tokens", sum(accepted_per_position)),
         Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=accepted_per_position),
         Metric("vllm:prompt_tokens", 999),  # other counters are ignored
     ], len(accepted_per_position))
-    return EngineRun(len(accepted_per_position), [[1, 2, 3]], 1.0, counters=counters,
-                     accepted_per_position=per_position, skipped_parameters=skipped or [])
+    return EngineRun(len(accepted_per_position), [[1, 2, 3]], Timing(concurrency=1), counts=counts,
+                     skipped_parameters=skipped or [])
 
 
 def test_acceptance_figures_from_the_counters():
