@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+# imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
+from datasets import load_from_disk
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +49,13 @@ TOLERANCE = {"bfloat16": 0.03, "float32": 0.005}
 OWN_ERROR_MARGIN = 1.5
 KIMI_GPU = ["target.engine.enforce_eager=false", "target.engine.cpu_reserved_cores=null", "train.mixed_precision=bf16",
             "train.compile=true"]
-SHARE = "target.engine.gpu_memory_utilization=0.25"  # where jobs share the GPU at once, each engine takes a quarter
+# Jobs that share the GPU at once: each engine takes a share of it with an explicit KV cache, so that one engine's
+# start (vLLM measures its own peak against the device's free memory) is not upset by another's allocations
+SHARE = ["target.engine.gpu_memory_utilization=0.2", "target.engine.kv_cache_memory_gb=4"]
+# SmolLM2's engine beside a trainer (stream mode) or alone: the prepared run and the benches on it use the same
+# engine settings, so that the benches' stages find the prepared 01 current
+SMOL_SHARE = ["target.engine.gpu_memory_utilization=0.4", "target.engine.kv_cache_memory_gb=16"]
+SMOL_SETS = [word for value in SMOL_SHARE for word in ("--set", value)]
 # the tiny Kimi's data as tests/test_pipeline_tiny_kimi.py's: magpie chats in thinking mode and a two-image chat
 KIMI_SOURCES = "data.sources=[{kind: magpie, limit: 32, max_tokens: 8}, {kind: file, name: $WORK/pictures.jsonl}]"
 
@@ -62,27 +71,30 @@ class Job:
     bench: list[str] = field(default_factory=list)  # instead of stages: a bench script's arguments ($WORK, $OUT)
 
 
+def capture_overhead(method: str) -> Job:
+    return Job(f"capture-overhead-{method}", "configs/demo_gpu.yaml", bench=[
+        "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-prepare",
+        *SMOL_SETS, "--method", method, "--max-samples", "1500", "--out", f"$OUT/capture_overhead_{method}.json"])
+
+
 # Phases run one after the other; the chains of a phase at once, the jobs of a chain in order.
 PHASES = [
-    # the tiny Kimi under both runners (the MRv2 job starts from the V1 job's 01_data once it exists)
-    [[Job("tiny-kimi-v1", "configs/tiny_kimi.yaml", ALL, [SHARE, KIMI_SOURCES, *KIMI_GPU],
-         {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
-     [Job("tiny-kimi-mrv2", "configs/tiny_kimi.yaml", ALL[1:], [SHARE, KIMI_SOURCES, *KIMI_GPU],
-          {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-          "tiny-kimi-v1")]],
-    # SmolLM2 alone on the GPU: the per-stage figures, then what capture costs against plain prefill
-    [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"]),
-      Job("capture-overhead-worker", "configs/demo_gpu.yaml", bench=[
-          "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-extract",
-          "--method", "worker_extension", "--max-samples", "1500", "--out", "$OUT/capture_overhead_worker.json"]),
-      Job("capture-overhead-extract", "configs/demo_gpu.yaml", bench=[
-          "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-extract",
-          "--method", "extract_hidden_states", "--max-samples", "1500", "--out", "$OUT/capture_overhead_extract.json"])]],
-    # stream mode on the one GPU: 02 and 04 at once, against offline, on the demo's 01 and 03
-    [[Job("stream", "configs/demo_gpu.yaml", bench=[
-        "bench/stream.py", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-extract",
-        "--steps", "60", "--packed-length", "8192", "--window-gb", "0.2", "--work", "$WORK/stream",
-        "--set", "target.engine.gpu_memory_utilization=0.4", "--out", "$OUT/stream_gpu.json"])]],
+    # the tiny Kimi under both runners (the MRv2 job starts from the V1 job's 01_data once it exists), and the
+    # SmolLM2 data the benches read
+    [[Job("tiny-kimi-v1", "configs/tiny_kimi.yaml", ALL, [*SHARE, KIMI_SOURCES, *KIMI_GPU],
+          {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
+     [Job("tiny-kimi-mrv2", "configs/tiny_kimi.yaml", ALL[1:], [*SHARE, KIMI_SOURCES, *KIMI_GPU],
+          {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "tiny-kimi-v1")],
+     [Job("smollm2-prepare", "configs/demo_gpu.yaml", ("01_data", "03_vocab"), SMOL_SHARE)]],
+    # alone on the GPU: what capture costs against plain prefill; stream mode (02 and 04 at once) against offline
+    [[capture_overhead("worker_extension"),
+      Job("stream", "configs/demo_gpu.yaml", bench=[
+          "bench/stream.py", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
+          "--steps", "60", "--packed-length", "8192", "--window-gb", "0.2", "--work", "$WORK/stream",
+          "--out", "$OUT/stream_gpu.json"]),
+      capture_overhead("extract_hidden_states")]],
+    # the GPU demo alone on the GPU, 01-06: the per-stage figures
+    [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"])]],
 ]
 LOCK = threading.Lock()
 
@@ -90,9 +102,6 @@ LOCK = threading.Lock()
 def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int = 8) -> dict:
     """Relative error of 02's aux states (each layer id) and of norm(final) against transformers' fp32 forward,
     beside that of transformers' own forward in the capture dtype."""
-    from datasets import load_from_disk
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
     config = load_config(config_path, [*overrides, f"run_dir={run_dir}"])
     model_dir = target_path(config.target)
     reader, layout = open_reader(run_dir / "02_hidden_states")

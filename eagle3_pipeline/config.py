@@ -39,6 +39,11 @@ class EngineConfig(Section):
     max_model_len: int = Field(4096, ge=16, description="longest prompt + output the engine accepts")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
     max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size in GiB; null = what gpu_memory_utilization leaves after vLLM measures "
+        "its own peak. An explicit size skips that measure, which other processes allocating on the same GPU at the "
+        "same time (a trainer in stream mode, another engine) can upset (vLLM: no memory for the cache blocks)",
+    )
     enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="weights and activations dtype; auto = the checkpoint's (bf16 for Kimi)"

@@ -43,6 +43,8 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
+    if environment.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        print("vLLM GPU: MLA target with a Llama-style draft: V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
     from vllm import LLM
 
     with scoped_environment(environment):
@@ -81,14 +83,24 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
         seed=0,
     )
     environment = {}
+    if engine.kv_cache_memory_gb is not None:
+        settings["kv_cache_memory_bytes"] = int(engine.kv_cache_memory_gb * 2**30)
+    mla_target_with_draft = ((llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3"
+                             and is_mla(text_config(model_dir)))
     if on_cpu():
-        settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        settings.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         if engine.cpu_reserved_cores is not None:
             environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
-        if (llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3" and is_mla(text_config(model_dir)):
+        if mla_target_with_draft:
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
+    elif mla_target_with_draft:
+        # vLLM GPU, Model Runner V2 (0.26-0.33): the draft's FlashAttention-3 scheduler metadata is planned with
+        # the target's MLA shape (1 KV head of 576) and run with the draft's (head_dim 128), which FA3 refuses
+        # ("scheduler_metadata must have shape"); V1 drafts without that plan. Kimi runs on V1 by default on
+        # 0.26; from 0.29 MRv2 is every architecture's default, so the choice is made here, before any load.
+        environment["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     settings.update(llm_kwargs)
     return settings, environment
 
