@@ -95,14 +95,28 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
-    elif mla_target_with_draft:
-        # vLLM GPU, Model Runner V2 (0.26-0.33): the draft's FlashAttention-3 scheduler metadata is planned with
+    elif mla_target_with_draft and not mrv2_plans_the_drafts_own_attention():
+        # vLLM GPU, Model Runner V2 before 0.33: the draft's FlashAttention-3 scheduler metadata is planned with
         # the target's MLA shape (1 KV head of 576) and run with the draft's (head_dim 128), which FA3 refuses
-        # ("scheduler_metadata must have shape"); V1 drafts without that plan. Kimi runs on V1 by default on
-        # 0.26; from 0.29 MRv2 is every architecture's default, so the choice is made here, before any load.
+        # at engine start ("scheduler_metadata must have shape"); V1 drafts without that plan. 0.26 runs MoE
+        # targets on V1 unless told otherwise; from 0.29 MRv2 is every architecture's default.
         environment["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     settings.update(llm_kwargs)
     return settings, environment
+
+
+# the first vLLM release read to size a draft's FlashAttention plan from the draft's own layers under MRv2
+MRV2_DRAFT_ATTENTION_FIXED = (0, 33)
+
+
+def mrv2_plans_the_drafts_own_attention() -> bool:
+    """Whether the installed GPU vLLM is known to plan an EAGLE draft's attention for the draft's own shape under
+    Model Runner V2; False where vLLM is not installed here (a printed command then runs on any version)."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) >= MRV2_DRAFT_ATTENTION_FIXED
 
 
 def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str:

@@ -71,14 +71,16 @@ def test_cpu_engine_settings_carry_the_kv_cache_reserved_cores_and_mla_switch(mo
     # without a draft the MLA target keeps its MLA attention; on a GPU none of the CPU settings apply
     assert engine.engine_settings(target, tmp_path)[1] == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    monkeypatch.setattr(engine, "mrv2_plans_the_drafts_own_attention", lambda: True)
     settings, environment = engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)
-    assert "kv_cache_memory_bytes" not in settings and environment == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert "kv_cache_memory_bytes" not in settings and environment == {}
 
 
 def test_gpu_engine_runs_an_mla_target_with_a_draft_on_v1_and_takes_an_explicit_kv_cache(monkeypatch, tmp_path):
     """MRv2 plans the draft's FlashAttention with the MLA target's shape: the eagle3 engine of an MLA target
     selects V1; a dense target, or an MLA target without a draft, keeps vLLM's own choice."""
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    monkeypatch.setattr(engine.importlib.metadata, "version", lambda name: "0.26.0")
     mla, dense = tmp_path / "mla", tmp_path / "dense"
     for folder, text in ((mla, {"kv_lora_rank": 16}), (dense, {"num_key_value_heads": 3})):
         folder.mkdir()
@@ -89,6 +91,9 @@ def test_gpu_engine_runs_an_mla_target_with_a_draft_on_v1_and_takes_an_explicit_
     assert engine.engine_settings(target, mla)[1] == {}
     assert engine.engine_settings(target, dense, speculative_config=EAGLE3)[1] == {}
     assert shlex.split(engine.server_command(settings, environment))[0] == "VLLM_USE_V2_MODEL_RUNNER=0"
+    # vLLM 0.33 plans the draft's attention from the draft's own layers: vLLM's own runner choice stands
+    monkeypatch.setattr(engine.importlib.metadata, "version", lambda name: "0.33.0")
+    assert engine.engine_settings(target, mla, speculative_config=EAGLE3)[1] == {}
 
 
 def test_an_engines_environment_is_set_while_it_starts_and_restored_after(monkeypatch, tmp_path):
