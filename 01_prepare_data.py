@@ -11,9 +11,9 @@ Writes: <run_dir>/01_data/  train/ and eval/ (Arrow: id, source, input_ids, loss
 Killed midway, the same command resumes: finished generation chunks are kept.
 """
 
-from eagle3_pipeline import prepare_data
 from eagle3_pipeline.cli import run_stage, stage_parser
+from eagle3_pipeline.data import stage
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard keeps it from rerunning this script
     parser = stage_parser(__doc__)
-    run_stage(parser, lambda config, args: prepare_data.run(config, force=args.force))
+    run_stage(parser, lambda config, args: stage.run(config, force=args.force))

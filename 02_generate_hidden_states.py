@@ -17,7 +17,7 @@ pack order into a bounded window while 04 trains (start both; docs/stream.md):
     python 04_train.py --config configs/demo.yaml --set capture.mode=stream
 """
 
-from eagle3_pipeline import capture
+from eagle3_pipeline.capture import stage
 from eagle3_pipeline.cli import run_stage, stage_parser
 
 if __name__ == "__main__":
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     def run(config, args):
         if not 0 <= args.shard_index < args.num_shards:
             parser.error(f"--shard-index must be in 0..{args.num_shards - 1}")
-        capture.run(config, force=args.force, shard_index=args.shard_index, num_shards=args.num_shards,
+        stage.run(config, force=args.force, shard_index=args.shard_index, num_shards=args.num_shards,
                     ignore_disk_check=args.ignore_disk_check)
 
     run_stage(parser, run)

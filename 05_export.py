@@ -15,8 +15,8 @@ Writes: <run_dir>/05_export/  reference/ (config.json as AQ-MedAI/Kimi-K25-eagle
 
 from pathlib import Path
 
-from eagle3_pipeline import export
 from eagle3_pipeline.cli import run_stage, stage_parser
+from eagle3_pipeline.export import stage
 
 if __name__ == "__main__":
     parser = stage_parser(__doc__)
@@ -27,8 +27,8 @@ if __name__ == "__main__":
 
     def run(config, args):
         if args.spec_only:
-            export.write_spec_only(config, args.out)
+            stage.write_spec_only(config, args.out)
         else:
-            export.run(config, force=args.force, checkpoint=args.checkpoint)
+            stage.run(config, force=args.force, checkpoint=args.checkpoint)
 
     run_stage(parser, run)

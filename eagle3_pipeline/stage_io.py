@@ -57,11 +57,11 @@ class StageSpec:
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
-        StageSpec("01_data", "01_prepare_data.py", "eagle3_pipeline.prepare_data",
-                  ("eagle3_pipeline.prepare_data", "eagle3_pipeline.data"), ("target", "data"), (),
+        StageSpec("01_data", "01_prepare_data.py", "eagle3_pipeline.data.stage",
+                  ("eagle3_pipeline.data",), ("target", "data"), (),
                   "tokenized, assistant-only loss-masked train and eval splits, token frequencies, stats"),
-        StageSpec("02_hidden_states", "02_generate_hidden_states.py", "eagle3_pipeline.capture",
-                  ("eagle3_pipeline.capture", "eagle3_pipeline.capture_engine"),
+        StageSpec("02_hidden_states", "02_generate_hidden_states.py", "eagle3_pipeline.capture.stage",
+                  ("eagle3_pipeline.capture",),
                   ("target", "capture.aux_layer_ids", "capture.dtype", "capture.method", "capture.samples_per_shard",
                    "capture.batch_size", "capture.mode"), ("01_data",),
                   "the target's aux and final hidden states per sample, in verified shards, and their index",
@@ -74,7 +74,7 @@ STAGES: dict[str, StageSpec] = {
                   ("draft", "train", "validate.num_speculative_tokens", "validate.max_tokens"),
                   ("01_data", "02_hidden_states", "03_vocab"),
                   "checkpoints, metrics.jsonl, TensorBoard logs, curves.png"),
-        StageSpec("05_export", "05_export.py", "eagle3_pipeline.export", ("eagle3_pipeline.export",),
+        StageSpec("05_export", "05_export.py", "eagle3_pipeline.export.stage", ("eagle3_pipeline.export",),
                   ("export",), ("04_train", "01_data"), "one draft folder per export format: weights, config, spec, model card"),
         StageSpec("06_validate", "06_validate.py", "eagle3_pipeline.validate.stage", ("eagle3_pipeline.validate",),
                   ("validate",), ("05_export", "01_data"), "the static check and vLLM's acceptance: report.json, report.md, "

@@ -12,8 +12,6 @@ vLLM only through its extension points: the `vllm.general_plugins` entry point `
   `EAGLE3_PATCHES_FORCE=name,...` applies the named ones whatever their version gate says.
 - `require_applied(name, ...)` is the check a stage calls before it relies on a patch: vLLM only logs a
   plugin that fails to import and runs on without it.
-- `patches.capture_worker` is not a patch: it is the vLLM worker extension that stage 02 uses to capture
-  hidden states on any vLLM from 0.16 on.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.hidden_states_store import open_reader
 from tests.conftest import CONFIGS, ROOT, fabricate_prepared_data
 
 pytestmark = pytest.mark.vllm

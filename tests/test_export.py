@@ -10,10 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline import export
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.export import meta_draft, run_spec
-from eagle3_pipeline.export_format import (
+from eagle3_pipeline.export import stage as export
+from eagle3_pipeline.export.format import (
     draft_fields,
     draft_tensor_shapes,
     dtype_name,
@@ -22,6 +21,7 @@ from eagle3_pipeline.export_format import (
     reference_spec,
     run_reference_config,
 )
+from eagle3_pipeline.export.stage import meta_draft, run_spec
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.stage_io import StageError, read_manifest
 from tests.conftest import CONFIGS, run_python

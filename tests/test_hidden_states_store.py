@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline import hidden_states_store as store
+from eagle3_pipeline.capture import store
 
 
 def samples(hidden=576, num_aux=3, lengths=(37, 5, 120), seed=0):

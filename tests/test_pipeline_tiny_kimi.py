@@ -17,8 +17,8 @@ import pytest
 from datasets import load_from_disk
 
 from eagle3_pipeline import config_reads
+from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import STAGES, read_manifest
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 from tests.conftest import CONFIGS, run_python

@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
-from eagle3_pipeline import prepare_data
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.data import stage as prepare_data
 from eagle3_pipeline.target import target_path
 from tests.conftest import CONFIGS, ROOT, run_python
 

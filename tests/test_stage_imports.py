@@ -86,8 +86,8 @@ def test_validation_reaches_neither_speculators_nor_training_code():
 
 def test_the_walk_sees_function_level_imports():
     """The checker itself: an import inside a function of a later stage's module counts."""
-    assert "eagle3_pipeline.capture_engine" in reached("eagle3_pipeline.capture")  # imported inside a function
-    assert owner("eagle3_pipeline.train.data") == "04_train" and owner("eagle3_pipeline.stream") is None
+    assert "eagle3_pipeline.capture.engine" in reached("eagle3_pipeline.capture.stage")  # imported inside a function
+    assert owner("eagle3_pipeline.train.data") == "04_train" and owner("eagle3_pipeline.capture.stream") == "02_hidden_states"
 
 
 def test_every_entry_point_a_script_calls_has_a_docstring():

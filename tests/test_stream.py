@@ -15,12 +15,21 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3_pipeline.capture.store import SampleStates
+from eagle3_pipeline.capture.stream import (
+    CONSUMER,
+    TRANSPORTS,
+    PackItem,
+    Producer,
+    Transport,
+    decode_item,
+    encode_item,
+    open_transport,
+    transport_class,
+)
 from eagle3_pipeline.config import RunConfig, StreamConfig, apply_overrides, load_config, parse_config
-from eagle3_pipeline.hidden_states_store import SampleStates
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
-from eagle3_pipeline.stream import (CONSUMER, TRANSPORTS, PackItem, Producer, Transport, decode_item, encode_item,
-                                    open_transport, transport_class)
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings
@@ -29,8 +38,8 @@ from tests.train.fabricate import (
     random_samples,
     random_states,
     tiny_run,
-    tiny_target,
     tiny_run_config,
+    tiny_target,
     write_data_stage,
     write_states_stage,
     write_vocab_stage,
@@ -117,7 +126,7 @@ def test_a_capture_job_never_holds_more_than_its_share(tmp_path, through):
     jobs = [threading.Thread(target=job, args=(i,)) for i in range(2)]
     for thread in jobs:
         thread.start()
-    from eagle3_pipeline.stream import Consumer
+    from eagle3_pipeline.capture.stream import Consumer
 
     consumer, seen = Consumer(transport, settings, identity="stream-a"), []
     for position in range(end):

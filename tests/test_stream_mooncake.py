@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline import stream_mooncake
+from eagle3_pipeline.capture import stream_mooncake
+from eagle3_pipeline.capture.stream import CONSUMER, Consumer, Producer, open_transport, published_names
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import StageError
-from eagle3_pipeline.stream import CONSUMER, Consumer, Producer, open_transport, published_names
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings, running_master

@@ -23,8 +23,8 @@ import pytest
 import torch
 import yaml
 
+from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.hidden_states_store import open_reader
 from eagle3_pipeline.stage_io import read_manifest
 from tests.conftest import CONFIGS, ROOT
 from tests.train.fabricate import write_data_stage

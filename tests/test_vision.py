@@ -14,7 +14,7 @@ from PIL import Image
 
 from eagle3_pipeline.data.conversations import InvalidConversation
 from eagle3_pipeline.data.samples import _expand_images
-from eagle3_pipeline.vision import Vision, read_image, request
+from eagle3_pipeline.data.vision import Vision, read_image, request
 
 PAD = 9  # the placeholder token id of these tests
 

@@ -33,9 +33,9 @@ from tqdm import tqdm
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
+from eagle3_pipeline.data.vision import Vision, request
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import Stage, StageError
-from eagle3_pipeline.vision import Vision, request
 
 CHUNK_DIR = "generated"
 

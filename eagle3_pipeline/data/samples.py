@@ -16,9 +16,15 @@ from tqdm import tqdm
 
 from eagle3_pipeline.config import DataConfig
 from eagle3_pipeline.data.chat_template import KINDS, ChatTemplate
-from eagle3_pipeline.data.conversations import (Conversation, InvalidConversation, Skips, image_sources,
-                                                through_first_user_turn, up_to_last_answer)
-from eagle3_pipeline.vision import Vision
+from eagle3_pipeline.data.conversations import (
+    Conversation,
+    InvalidConversation,
+    Skips,
+    image_sources,
+    through_first_user_turn,
+    up_to_last_answer,
+)
+from eagle3_pipeline.data.vision import Vision
 
 
 def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool,

@@ -1,7 +1,7 @@
 """Checkpoints: `04_train/checkpoints/step_N/`, complete or absent.
 
     model.safetensors    the draft's trained tensors and d2t/t2d under speculators' names
-                         (`export_format.export_state_dict` maps them to the reference export's names)
+                         (`export.format.export_state_dict` maps them to the reference export's names)
     optimizer.pt         AdamW state, full (gathered under FSDP) and keyed by parameter name
     scheduler.pt         the learning-rate schedule
     rng-rank<R>.pt       each rank's Python, NumPy and torch RNG states
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from eagle3_pipeline.export_format import stored_tensors
+from eagle3_pipeline.draft_spec import stored_tensors
 from eagle3_pipeline.stage_io import STARTED, Stage, StageError, config_values, fingerprint, write_json_atomic
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.hidden_states_store import open_reader
+from eagle3_pipeline.capture.store import open_reader
+from eagle3_pipeline.capture.stream import Consumer, decode_item
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError
-from eagle3_pipeline.stream import Consumer, decode_item
 
 
 class RankPacks(torch.utils.data.Sampler):

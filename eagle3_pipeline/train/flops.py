@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle3_pipeline.draft_spec import layer_multiply_adds
+
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense, per GPU (vendor figures)
-
-
-def layer_parameters(draft) -> int:
-    """Multiply-adds per token of the decoder layer's matrices (`draft` is a config.DraftConfig)."""
-    h, d = draft.hidden_size, draft.head_dim
-    attention = 2 * h * d * (draft.num_attention_heads + 2 * draft.num_key_value_heads)
-    return attention + draft.num_attention_heads * d * h + 3 * h * draft.intermediate_size
 
 
 def train_flops(draft, num_aux: int, ttt_steps: int, tokens: int, attended_keys: int,
@@ -34,7 +29,7 @@ def train_flops(draft, num_aux: int, ttt_steps: int, tokens: int, attended_keys:
     """FLOPs of one optimizer step over `tokens` rows reading `attended_keys` keys in all (see above)."""
     h, head = draft.hidden_size, draft.hidden_size * draft.draft_vocab_size
     per_token = 4 * num_aux * h * h
-    per_token += ttt_steps * (6 * layer_parameters(draft) + (6 if lm_head_trained else 4) * head)
+    per_token += ttt_steps * (6 * layer_multiply_adds(draft) + (6 if lm_head_trained else 4) * head)
     per_token += 2 * head
     attention = 3 * 4 * draft.num_attention_heads * draft.head_dim * attended_keys
     return per_token * tokens + attention

@@ -23,14 +23,21 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, set_seed
 from tqdm import tqdm
 
+from eagle3_pipeline.acceptance import AcceptanceCounts, is_metric_key
+from eagle3_pipeline.capture.store import layout_bytes_per_token, open_reader
+from eagle3_pipeline.capture.stream import (
+    Consumer,
+    StreamTimeout,
+    Waiter,
+    fetch_folder,
+    largest_item_bytes,
+    open_transport,
+    shares_folder,
+)
 from eagle3_pipeline.config import ConfigError, RunConfig
-from eagle3_pipeline.hidden_states_store import layout_bytes_per_token, open_reader
 from eagle3_pipeline.pack_plan import PackStream, plan_packs
 from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
-from eagle3_pipeline.stream import (Consumer, StreamTimeout, Waiter, fetch_folder, largest_item_bytes, open_transport,
-                                    shares_folder)
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.acceptance import AcceptanceCounts, is_metric_key
 from eagle3_pipeline.train.acceptance import chain_metrics, is_served, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs

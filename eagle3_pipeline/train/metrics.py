@@ -26,7 +26,6 @@ from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
 
 
-
 def summarize(stats: torch.Tensor) -> dict[str, float]:
     """Per TTT step mean loss and accuracy from summed statistics [len(STATS), ttt_steps]."""
     kl_sum, correct, count = (stats[STATS.index(name)].double().cpu() for name in STATS)

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.data.vision import Vision, request
 from eagle3_pipeline.engine import start_engine
-from eagle3_pipeline.export_format import speculative_config
+from eagle3_pipeline.export.format import speculative_config
 from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import REPORT, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
-from eagle3_pipeline.vision import Vision, request
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.export_format import Spec, implied_tensors, read_spec, read_tensor, spec_format
+from eagle3_pipeline.export.format import Spec, implied_tensors, read_spec, read_tensor, spec_format
 
 BREAKING, OPTIONAL, COSMETIC = "breaking", "optional", "cosmetic"
 EMBED = "embed_tokens.weight"

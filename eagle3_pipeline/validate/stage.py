@@ -22,8 +22,8 @@ from pathlib import Path
 
 from eagle3_pipeline.acceptance import metric_key
 from eagle3_pipeline.config import RunConfig, ValidateConfig
-from eagle3_pipeline.engine import serving_command
-from eagle3_pipeline.export_format import Spec, read_spec, reference_spec, spec_format
+from eagle3_pipeline.export.format import Spec, read_spec, reference_spec, spec_format
+from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
 from eagle3_pipeline.target import target_path
 from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, serve

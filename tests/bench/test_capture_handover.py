@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.capture_handover import fake_worker, record
-from patches.capture_worker import ORPHAN_PREFIX, HiddenStateCapture, MappedArena, load_captured
+from eagle3_pipeline.capture.worker import ORPHAN_PREFIX, HiddenStateCapture, MappedArena, load_captured
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, NUM_AUX = 16, 3

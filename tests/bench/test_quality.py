@@ -32,7 +32,7 @@ def test_our_data_reads_back_through_speculators_dataset(tmp_path):
     assert sample["hidden_states"].shape == (len(ours["input_ids"]), n_aux * TINY["hidden"])
     assert sample["verifier_last_hidden_states"].shape == (len(ours["input_ids"]), TINY["hidden"])
 
-    from eagle3_pipeline.hidden_states_store import open_reader
+    from eagle3_pipeline.capture.store import open_reader
 
     reader, _ = open_reader(config.run_dir / "02_hidden_states")
     aux, final = reader.get(ours["id"])

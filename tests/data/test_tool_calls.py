@@ -216,8 +216,8 @@ def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, caps
     """01 on the tiny Kimi without regeneration: agentic records kept, a record whose image file is missing
     skipped by reason,
     stats.json and the printed summary split the loss tokens by kind."""
-    from eagle3_pipeline import prepare_data
     from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.data import stage as prepare_data
     from tests.conftest import CONFIGS
 
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patches.capture_worker import EXTENSION, load_captured
+from eagle3_pipeline.capture.worker import EXTENSION, load_captured
 from tests.patches.conftest import relative_error, running_llm
 
 pytestmark = pytest.mark.vllm

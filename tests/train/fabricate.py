@@ -15,12 +15,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3_pipeline import capture
+from eagle3_pipeline.capture import stage as capture
+from eagle3_pipeline.capture.store import SampleStates, write_index, write_shard
 from eagle3_pipeline.config import RunConfig, parse_config
 from eagle3_pipeline.data.chat_template import KINDS
+from eagle3_pipeline.data.stage import write_prepared
 from eagle3_pipeline.data.stats import generation_stats, split_stats
-from eagle3_pipeline.hidden_states_store import SampleStates, write_index, write_shard
-from eagle3_pipeline.prepare_data import write_prepared
 from eagle3_pipeline.stage_io import Stage
 from eagle3_pipeline.target import target_path, text_config
 from tests.conftest import CONFIGS

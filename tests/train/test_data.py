@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eagle3_pipeline.hidden_states_store import SampleStates
+from eagle3_pipeline.capture.store import SampleStates
 from eagle3_pipeline.pack_plan import PackStream, plan_packs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, rank_share
 

@@ -10,9 +10,9 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.export.format import export_state_dict
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.train.attention import ttt_masks
-from eagle3_pipeline.export_format import export_state_dict
 from eagle3_pipeline.train.draft_model import build_draft, load_frozen_and_vocab
 from eagle3_pipeline.train.verifier import VerifierWeights
 from tests.conftest import CONFIGS
@@ -211,7 +211,8 @@ def test_flex_attention_path_computes_what_sdpa_computes(monkeypatch):
 
 
 def test_standardized_aux_folds_into_fc_at_export():
-    from eagle3_pipeline.export_format import fold_aux_scale, stored_tensors
+    from eagle3_pipeline.draft_spec import stored_tensors
+    from eagle3_pipeline.export.format import fold_aux_scale
     from eagle3_pipeline.train.draft_model import standardize_aux
 
     scaled = tiny_model()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from eagle3_pipeline.capture.store import SampleStates
 from eagle3_pipeline.config import RunConfig, parse_config
-from eagle3_pipeline.hidden_states_store import SampleStates
 from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, file_sha256, fingerprint
 from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.train import loop

@@ -12,10 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eagle3_pipeline.capture.store import SampleStates
 from eagle3_pipeline.config import TargetConfig
 from eagle3_pipeline.data.sources import HUMANEVAL_REQUEST
 from eagle3_pipeline.engine import start_engine
-from eagle3_pipeline.hidden_states_store import SampleStates
 from tests.conftest import run_python
 from tests.train.fabricate import cached_inputs
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline import export
-from eagle3_pipeline.export_format import read_spec, reference_spec
+from eagle3_pipeline.export import stage as export
+from eagle3_pipeline.export.format import read_spec, reference_spec
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.validate import stage
 from eagle3_pipeline.validate.compare import BREAKING, COSMETIC, OPTIONAL, check_vocab_maps, static_differences

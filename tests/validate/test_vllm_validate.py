@@ -30,6 +30,7 @@ from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS
 from tests.validate.runs import cached_run, trained_stand_in_run
 from tests.validate.smollm2_inputs import humaneval_chats, self_distilled_humaneval
 
+
 def export_and_validate(path, run_dir) -> dict:
     """05 in this environment, then 06 (static check and vLLM) where speculators cannot be imported, as in
     vLLM 0.16's environment."""

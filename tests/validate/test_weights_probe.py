@@ -10,7 +10,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torch import nn
 
 from eagle3_pipeline.validate.weights_probe import DraftWeightsProbe, shared_parameters, skipped_parameters

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eagle3_pipeline import hidden_states_store as store
-from eagle3_pipeline import stream
+from eagle3_pipeline.capture import store, stream
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
@@ -168,7 +167,7 @@ def open_stream(stage: Stage, layout: dict) -> None:
 
 
 def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
-    from eagle3_pipeline.capture_engine import open_capturer  # imports vLLM: only where it is needed
+    from eagle3_pipeline.capture.engine import open_capturer  # imports vLLM: only where it is needed
 
     return open_capturer(config, model_dir, text, aux_layer_ids)
 

@@ -3,7 +3,7 @@
 - `extract_hidden_states` (vLLM >= 0.18): vLLM's own speculative method writes the states of the listed
   layers through a hidden-states KV connector (on CPU, the CPU-safe connector from `patches`).
   Its connector keeps the states in a KV-cache group of their own, which an MLA target does not allow.
-- `worker_extension` (vLLM 0.16 and the fallback, MLA targets included): `patches.capture_worker` records
+- `worker_extension` (vLLM 0.16 and the fallback, MLA targets included): `eagle3_pipeline.capture.worker` records
   the same residual streams inside the worker; `collective_rpc` hands them back.
 
 Both take prompts as 01 stores them (ids with image placeholders expanded, and the images' bytes), hand
@@ -22,10 +22,10 @@ import torch
 from packaging.version import Version
 
 from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.data.vision import Prompt, Vision, request
 from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import is_mla
-from eagle3_pipeline.vision import Prompt, Vision, request
 
 FIRST_VLLM_WITH_EXTRACTION = Version("0.18")
 CapturedStates = tuple[torch.Tensor, torch.Tensor]
@@ -89,11 +89,11 @@ def _check_prompt(output, ids: list[int]) -> None:
 
 
 class WorkerExtensionCapturer:
-    # the layers are chosen after the engine starts (patches/capture_worker.py); prefixes must not be skipped
+    # the layers are chosen after the engine starts (eagle3_pipeline/capture/worker.py); prefixes must not be skipped
     ENGINE_SETTINGS = {"enforce_eager": True, "enable_prefix_caching": False}
 
     def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int]):
-        from patches.capture_worker import EXTENSION, check_runner_support
+        from eagle3_pipeline.capture.worker import EXTENSION, check_runner_support
 
         try:  # before the weights load: nothing the runner lacks is found after minutes of loading
             check_runner_support()
@@ -107,7 +107,7 @@ class WorkerExtensionCapturer:
         self.vision = Vision.of_engine(self.llm, model_dir)
 
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
-        from patches.capture_worker import load_captured
+        from eagle3_pipeline.capture.worker import load_captured
 
         requests, sampling = _prompts(prompts, self.vision)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)

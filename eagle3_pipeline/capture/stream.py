@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from eagle3_pipeline import hidden_states_store as store
+from eagle3_pipeline.capture import store
 from eagle3_pipeline.config import RunConfig, StreamConfig
 from eagle3_pipeline.stage_io import MANIFEST, StageError
 
@@ -102,8 +102,8 @@ class Transport(Protocol):
 
 # Which transport each `capture.stream.transport` names: a module and class implementing `Transport`.
 TRANSPORTS = {
-    "directory": "eagle3_pipeline.stream_directory.DirectoryTransport",
-    "mooncake": "eagle3_pipeline.stream_mooncake.MooncakeTransport",
+    "directory": "eagle3_pipeline.capture.stream_directory.DirectoryTransport",
+    "mooncake": "eagle3_pipeline.capture.stream_mooncake.MooncakeTransport",
 }
 
 

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.acceptance import is_metric_key, metric_key, overall_ks
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.engine import serving_command
-from eagle3_pipeline.export_format import (
+from eagle3_pipeline.draft_spec import stored_tensors
+from eagle3_pipeline.export.format import (
     SPEC_FILE,
     WEIGHTS_FILE,
     Spec,
@@ -34,8 +34,8 @@ from eagle3_pipeline.export_format import (
     read_spec,
     reference_config,
     run_reference_config,
-    stored_tensors,
 )
+from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_json_atomic
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs

@@ -4,7 +4,7 @@ It needs no extraction support in vLLM itself (0.16 has none), GPU or CPU, and w
 model runners: V1 (the default on 0.16-0.28 for MoE models and on CPU) and Model Runner V2 (the default for
 dense models on 0.26, for every model from 0.29).
 
-    from patches.capture_worker import EXTENSION, load_captured
+    from eagle3_pipeline.capture.worker import EXTENSION, load_captured
     llm = LLM(model=target, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False)
     llm.collective_rpc("set_capture_layers", args=([2, 30, 58],))
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], SamplingParams(max_tokens=1))
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-EXTENSION = "patches.capture_worker.HiddenStateCapture"
+EXTENSION = "eagle3_pipeline.capture.worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
 SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
 CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)

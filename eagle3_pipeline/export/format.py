@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_pipeline.config import DraftConfig, RunConfig
+from eagle3_pipeline.draft_spec import floating_shapes, stored_tensors, vocab_map_shapes
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import run_aux_layer_ids, target_facts
 
@@ -35,8 +36,6 @@ WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "spec.json"
 EXPORT_DTYPE = torch.bfloat16  # floating tensors; d2t stays int64 and t2d bool
 REFERENCE_ARCHITECTURE = "LlamaForCausalLMEagle3"
-# The verifier's tensors the draft holds frozen during training; no export stores them (vLLM shares the target's).
-FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -125,37 +124,11 @@ def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
 # ---------------------------------------------------------------------------------------------- tensors
 def draft_tensor_shapes(config_json: dict) -> dict[str, tuple[list[int], str]]:
     """{name: (shape, dtype as exported)} of every tensor of the draft a config.json describes, under the
-    training draft's names (speculators' Eagle3DraftModel), frozen verifier tensors included."""
+    training draft's names (draft_spec.py), frozen verifier tensors included."""
     draft, aux, vocab = draft_fields(config_json)
-    hidden, heads, kv_heads = draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads
-    layer = "layers.0."
-    floating = {
-        "embed_tokens.weight": [vocab, hidden],
-        "fc.weight": [hidden, len(aux) * hidden],
-        # the layer's attention reads [embedding | hidden state]: twice the hidden size
-        layer + "self_attn.q_proj.weight": [heads * draft.head_dim, 2 * hidden],
-        layer + "self_attn.k_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
-        layer + "self_attn.v_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
-        layer + "self_attn.o_proj.weight": [hidden, heads * draft.head_dim],
-        layer + "mlp.gate_proj.weight": [draft.intermediate_size, hidden],
-        layer + "mlp.up_proj.weight": [draft.intermediate_size, hidden],
-        layer + "mlp.down_proj.weight": [hidden, draft.intermediate_size],
-        layer + "input_layernorm.weight": [hidden],
-        layer + "hidden_norm.weight": [hidden],
-        layer + "post_attention_layernorm.weight": [hidden],
-        "norm.weight": [hidden],
-        "lm_head.weight": [draft.draft_vocab_size, hidden],
-        "verifier_norm.weight": [hidden],
-        "verifier_lm_head.weight": [draft.draft_vocab_size, hidden],
-        **({"input_norm.weight": [len(aux) * hidden]} if draft.norm_before_fc else {}),
-    }
+    floating = floating_shapes(draft, len(aux), vocab)
     return {**{name: (shape, dtype_name(EXPORT_DTYPE)) for name, shape in floating.items()},
-            "d2t": ([draft.draft_vocab_size], "int64"), "t2d": ([vocab], "bool")}
-
-
-def stored_tensors(draft_state: Mapping[str, Any]) -> dict[str, Any]:
-    """What a checkpoint and the speculators format store: everything but the frozen verifier tensors."""
-    return {name: value for name, value in draft_state.items() if name not in FROZEN}
+            **vocab_map_shapes(draft, vocab)}
 
 
 def fold_aux_scale(state: dict[str, Any]) -> dict[str, Any]:

@@ -29,9 +29,9 @@ from eagle3_pipeline.data.generate import generate_turns
 from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
 from eagle3_pipeline.data.stats import generation_stats, loss_kinds_summary, split_stats, token_frequencies
+from eagle3_pipeline.data.vision import Vision, read_image
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
 from eagle3_pipeline.target import image_token_id, target_path, text_config
-from eagle3_pipeline.vision import Vision, read_image
 
 
 def run(config: RunConfig, force: bool = False) -> None:
