@@ -201,34 +201,40 @@ class Stage:
         return f"rerun `python {spec.script} --config <config>`"
 
     def check_inputs(self) -> dict[str, str]:
-        """Every input stage complete, made under the current config and not older than its own inputs, and so
-        on up to the first stage: a key an earlier stage's fingerprint covers makes every later stage stale."""
-        input_hashes = {name: self._check_input(name) for name in self.spec.inputs}
-        for name in upstream_of(self.spec.name) - set(self.spec.inputs):
-            self._check_input(name)
-        return input_hashes
+        """Every input stage complete, made under the current config and not older than its own inputs; and the
+        stages before it made under the current config too, as the input's manifest records that config: a key an
+        earlier stage's fingerprint covers makes every later stage stale, and no earlier folder need still exist
+        (02's states may be deleted once 04 has trained on them)."""
+        return {name: self._check_input(name) for name in self.spec.inputs}
 
     def _check_input(self, name: str) -> str:
-        """The hash of stage `name`'s proof, once it is complete, current under this config and newer than its
-        own inputs."""
+        """The hash of stage `name`'s proof, once it is complete, current under this config (it and the stages it
+        was made from) and newer than those of its own inputs that still exist."""
         spec = STAGES[name]
         manifest = read_proof(self.run_dir / name)
         if manifest is None:
             raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
-        current = config_values(self.resolved, spec.sections)
-        if manifest.get("fingerprint") != fingerprint(current):
-            recorded = config_values(manifest.get("config", {}), spec.sections)
-            changed = [s for s in spec.sections if recorded[s] != current[s]]
-            raise StageError(
-                f"{name} was produced under a different config (changed: {', '.join(changed) or 'unknown'}): "
-                f"{self._rerun_hint(spec)} --force"
-            )
+        if manifest.get("fingerprint") != fingerprint(config_values(self.resolved, spec.sections)):
+            changed = ", ".join(self._changed(manifest, spec)) or "unknown"
+            raise StageError(f"{name} was produced under a different config (changed: {changed}): "
+                             f"{self._rerun_hint(spec)} --force")
+        for earlier in sorted(upstream_of(name)):
+            if changed := self._changed(manifest, STAGES[earlier]):
+                raise StageError(f"{name} was made from {earlier} under a different config (changed: "
+                                 f"{', '.join(changed)}): {self._rerun_hint(STAGES[earlier])} --force, then the stages after it")
         for upstream, recorded in manifest.get("inputs", {}).items():
-            if recorded != _manifest_hash(self.run_dir / upstream):
+            present = _manifest_hash(self.run_dir / upstream)
+            if present is not None and recorded != present:
                 raise StageError(
                     f"{name} is older than {upstream}, which was redone since: {self._rerun_hint(spec)} --force"
                 )
         return _manifest_hash(self.run_dir / name)
+
+    def _changed(self, manifest: dict[str, Any], spec: StageSpec) -> list[str]:
+        """The sections of `spec` whose values differ between the config `manifest` records and the current one."""
+        recorded = config_values(manifest.get("config", {}), spec.sections)
+        current = config_values(self.resolved, spec.sections)
+        return [section for section in spec.sections if recorded[section] != current[section]]
 
     # ----------------------------------------------------------------------------------- lifecycle
     def is_complete(self) -> bool:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.stage_io import MANIFEST, STAGES, Stage, atomic_path, read_manifest
+from eagle3_pipeline.stage_io import MANIFEST, STAGES, Stage, StageError, atomic_path, read_manifest
 from tests.conftest import CONFIGS, run_python
 
 
@@ -131,3 +132,20 @@ def test_a_stage_named_on_single_keys_ignores_the_rest_of_their_section(tmp_path
         fingerprints("draft.draft_vocab_size=2048")
     assert norm_option[0] == base[0] and norm_option[1] != base[1]
     assert vocab[0] != base[0] and vocab[1] != base[1]
+
+
+def test_a_deleted_earlier_folder_is_not_needed_but_its_config_still_counts(tmp_path):
+    """05 reads 04 and 01: with 02's states and 03's vocab deleted (disk freed after training) it still starts, and
+    a changed key of 02 still makes it stale, through the config 04's manifest records."""
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}"])
+    for name in ("01_data", "02_hidden_states", "03_vocab", "04_train"):
+        stage = Stage(config, name)
+        stage.begin()
+        stage.finish()
+    for name in ("02_hidden_states", "03_vocab"):
+        shutil.rmtree(tmp_path / name)
+    assert set(Stage(config, "05_export").check_inputs()) == {"04_train", "01_data"}
+    changed = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}", "capture.dtype=fp8"])
+    with pytest.raises(StageError, match=r"04_train was made from 02_hidden_states under a different config "
+                                         r"\(changed: capture.dtype\)"):
+        Stage(changed, "05_export").check_inputs()
