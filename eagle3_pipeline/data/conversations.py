@@ -14,6 +14,12 @@ ShareGPT tool records (`function_call` turns holding `{"name", "arguments"}` or 
 `observation` turns holding the results, `tools` a list or a JSON string of bare function schemas) become
 the same shape. They carry no call ids, so ids are written in Kimi's form `functions.NAME:IDX` (IDX counts
 the calls of the conversation), and each observation answers the oldest call not yet answered.
+kimi-mtp-dataset records (schema `kimi_mtp`: ShareGPT turns as Kimi-K2.5 wrote them) keep what the model
+wrote inline: an assistant `value` opens with its reasoning in `<think>...</think>` and may end in Kimi's
+tool-call section (`<|tool_calls_section_begin|>`, one `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS
+<|tool_call_end|>` per call, ids `functions.NAME:IDX`); a user turn's `value` may be a JSON string of OpenAI
+content parts holding images. They become `reasoning_content`, `tool_calls` and image parts, which the
+target's template lays out again; each tool turn answers the oldest call not yet answered.
 A record that cannot become a valid conversation raises `InvalidConversation` with a short reason; the
 stage counts reasons instead of failing on them.
 """
@@ -30,6 +36,8 @@ from eagle3_pipeline.config import SourceConfig
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "observation": "tool"}
+KIMI_TOOL_CALLS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_TOOL_CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image
 FIRST_IDS_KEPT = 5  # example ids recorded per skip reason
 
@@ -79,7 +87,8 @@ class Skips:
 
 
 def to_messages(record: Any, schema: str) -> list[dict[str, Any]]:
-    """The messages of one record in ShareGPT (`conversations`: from/value) or OpenAI (`messages`: role/content)."""
+    """The messages of one record in ShareGPT (`conversations`: from/value), OpenAI (`messages`: role/content) or
+    kimi-mtp-dataset's ShareGPT with Kimi's inline markers (`kimi_mtp`)."""
     if not isinstance(record, dict):  # also a JSON line that did not parse (the reader yields None)
         raise InvalidConversation("malformed_json")
     if schema == "auto":
@@ -89,7 +98,9 @@ def to_messages(record: Any, schema: str) -> list[dict[str, Any]]:
         raise InvalidConversation("no_messages")
     if schema == "messages":
         return [_message(turn, "role", "content", {role: role for role in ROLES}) for turn in turns]
-    return _answer_sharegpt_calls([_sharegpt_message(turn) for turn in turns])
+    if schema == "kimi_mtp":
+        return _answer_calls([_kimi_mtp_message(turn) for turn in turns])
+    return _answer_calls([_sharegpt_message(turn) for turn in turns])
 
 
 def to_tools(record: Any) -> list[dict[str, Any]] | None:
@@ -154,13 +165,64 @@ def _sharegpt_message(turn: Any) -> dict[str, Any]:
             "tool_calls": [{"function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]}
 
 
-def _answer_sharegpt_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Give ShareGPT calls Kimi-style ids and each observation the id of the oldest call it has not answered."""
+def _kimi_mtp_message(turn: Any) -> dict[str, Any]:
+    """A kimi-mtp-dataset turn: inline reasoning and tool calls of an assistant turn taken out of its text, a user
+    turn's JSON-encoded content parts decoded."""
+    message = _message(turn, "from", "value", SHAREGPT_ROLES)
+    text = message["content"]
+    if message["role"] != "assistant":
+        parts = _content_parts(text) if message["role"] == "user" else None
+        if parts is not None:
+            message["content"] = [_part(part) for part in parts]
+        return message
+    think_start, think_end = "<think>", "</think>"
+    if text.lstrip().startswith(think_start) and think_end in text:
+        reasoning, text = text.lstrip()[len(think_start):].split(think_end, 1)
+        if reasoning.strip():
+            message["reasoning_content"] = reasoning
+    section_start, section_end = KIMI_TOOL_CALLS
+    if section_start in text:
+        text, section = text.split(section_start, 1)
+        if not section.rstrip().endswith(section_end):
+            raise InvalidConversation("malformed_tool_call")
+        message["tool_calls"] = [_kimi_tool_call(call) for call in section.rstrip()[: -len(section_end)]
+                                 .split(KIMI_TOOL_CALL[0])[1:]]
+    elif not text.strip():
+        raise InvalidConversation("empty_content")
+    message["content"] = text
+    return message
+
+
+def _content_parts(text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI content parts a JSON-encoded user turn holds, or None when the text is just text."""
+    if not text.lstrip().startswith("[{"):
+        return None
+    try:
+        parts = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    is_parts = isinstance(parts, list) and all(isinstance(part, dict) and "type" in part for part in parts)
+    return parts if is_parts else None
+
+
+def _kimi_tool_call(call: str) -> dict[str, Any]:
+    """One `ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>` of Kimi's section (ID `functions.NAME:IDX`)."""
+    call_id, separator, arguments = call.partition(KIMI_TOOL_CALL[1])
+    name = call_id.strip().removeprefix("functions.").rpartition(":")[0]
+    if not (separator and name and arguments.rstrip().endswith(KIMI_TOOL_CALL[2])):
+        raise InvalidConversation("malformed_tool_call")
+    return _tool_call({"id": call_id.strip(), "function": {"name": name,
+                                                          "arguments": arguments.rstrip()[: -len(KIMI_TOOL_CALL[2])]}})
+
+
+def _answer_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give calls without an id (ShareGPT's) Kimi-style ids, and each tool result the id of the oldest call it
+    has not answered."""
     unanswered: list[str] = []
     calls_made = 0
     for message in messages:
         calls = message.get("tool_calls", [])
-        ids = [f"functions.{call['function']['name']}:{calls_made + k}" for k, call in enumerate(calls)]
+        ids = [call.get("id") or f"functions.{call['function']['name']}:{calls_made + k}" for k, call in enumerate(calls)]
         if calls:
             message["tool_calls"] = [_tool_call(call | {"id": call_id}) for call, call_id in zip(calls, ids)]
         unanswered += ids
