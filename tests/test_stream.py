@@ -27,7 +27,8 @@ from eagle3_pipeline.capture.stream import (
     open_transport,
     transport_class,
 )
-from eagle3_pipeline.config import RunConfig, StreamConfig, apply_overrides, load_config, parse_config
+from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
+from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
 from eagle3_pipeline.train import loop

@@ -40,7 +40,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from eagle3_pipeline.capture import store
-from eagle3_pipeline.config import RunConfig, StreamConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.stage_io import MANIFEST, StageError
 
 CONSUMER = "consumer"

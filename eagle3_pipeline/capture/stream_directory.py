@@ -7,7 +7,8 @@ import os
 import re
 from pathlib import Path
 
-from eagle3_pipeline.config import RunConfig, StreamConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.stage_io import atomic_path, read_json, write_json_atomic
 
 
