@@ -1,5 +1,4 @@
-"""Stage 02's stream: the directory transport (`capture.stream.transport: directory`), items as files in one folder
-that every side sees: local NVMe, /dev/shm, or a shared filesystem between two machines."""
+"""Stage 02's stream: the directory transport (`capture.stream.transport: directory`)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3_pipeline.capture import worker as capture_worker
 from eagle3_pipeline.capture.worker import StepBatch, check_runner_support, runner_kind
-from patches import capture_worker
 
 
 def test_runner_kinds_of_the_installed_vllm():
