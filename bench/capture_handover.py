@@ -1,11 +1,11 @@
 """How fast captured states leave the GPU: the worker extension's recording path, without vLLM.
 
-Drives `eagle3_pipeline.capture.worker`'s `_record_step` / `pop_captured` / `load_captured` with synthetic states of
-Kimi-K2.5's shape (hidden 7168, 3 aux layers + final, bf16) in forward steps of 8k-16k tokens, several
-requests per step, the way vLLM's model runner presents them. Per variant it reports the end-to-end
-hand-over (first step recorded -> every state in a file or mapping the main process can read, i.e.
-`pop_captured` returned), in GB/s of bytes handed over and microseconds per token, and the main process's
-read (`load_captured`, which copies the states out) separately:
+Drives `eagle3_pipeline.capture.worker`'s `_record_step` / `pop_captured` and `capture.handover`'s `load_captured`
+with synthetic states of Kimi-K2.5's shape (hidden 7168, 3 aux layers + final, bf16) in forward steps of 8k-16k
+tokens, several requests per step, the way vLLM's model runner presents them. Per variant it reports the end-to-end
+hand-over (first step recorded -> every state in a file or mapping the main process can read, i.e. `pop_captured`
+returned), in GB/s of bytes handed over and microseconds per token, and the main process's read (`load_captured`,
+which copies the states out) separately:
 
     pageable       today's path: `.cpu()` per step, one safetensors file per request
     mapped         copies on a side stream into reused page-locked slabs the main process maps
@@ -38,8 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eagle3_pipeline.capture.handover import MappedArena, load_captured  # noqa: E402
 from eagle3_pipeline.capture.store import bytes_per_token, quantize_fp8  # noqa: E402
-from eagle3_pipeline.capture.worker import HiddenStateCapture, MappedArena, load_captured  # noqa: E402
+from eagle3_pipeline.capture.worker import HiddenStateCapture  # noqa: E402
 
 VARIANTS = ("pageable", "mapped", "pageable_fp8", "mapped_fp8")
 

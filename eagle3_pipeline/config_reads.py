@@ -1,10 +1,10 @@
 """Every stage: the config keys a stage's code reads, recorded while it runs, to check its fingerprint against.
 
 With `EAGLE3_CONFIG_READS_DIR` set, `load_config` makes every section of the config it returns note each knob
-read from it (`config.Section.__getattribute__` calls `note`); at exit the dotted keys go to
-`<dir>/<script name>.json`. tests/stage_reads.py compares them with each stage's declared fingerprint
-(`stage_io.STAGES`): a key a stage reads is part of what makes its output, so a changed value must make the
-stage incomplete.
+read from it (`config_sections.Section.__getattribute__` calls `note` while `RECORDING`); at exit the dotted
+keys go to `<dir>/<script name>.json`. tests/stage_reads.py compares them with each stage's declared
+fingerprint (`stage_io.STAGES`): a key a stage reads is part of what makes its output, so a changed value must
+make the stage incomplete.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import atexit
 import json
 import os
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,13 @@ ENVIRONMENT = "EAGLE3_CONFIG_READS_DIR"
 _paths: dict[int, str] = {}  # id(section) -> its dotted path in the run config ("" for the top level)
 _sections: list[Any] = []  # the recorded sections, kept alive so their ids stay theirs
 _containers: set[str] = set()  # dotted keys that hold sections: reaching into them is no read of a knob
-_reads: set[str] | None = None  # None: not recording
+_reads: set[str] = set()
+RECORDING = False  # set once `record_if_requested` starts recording: Section reads test it before calling `note`
 
 
 def note(section: Any, name: str) -> None:
-    """`section.name` was read: a knob of a recorded config becomes a dotted key."""
-    if _reads is None or name not in type(section).model_fields:
+    """`section.name` was read while `RECORDING`: a knob of a recorded config becomes a dotted key."""
+    if name not in type(section).model_fields:
         return
     path = _paths.get(id(section))
     if path is not None:
@@ -38,12 +38,12 @@ def note(section: Any, name: str) -> None:
 
 def record_if_requested(config: Any) -> None:
     """Record the reads of `config` when the environment asks for it."""
-    global _reads
+    global RECORDING
     folder = os.environ.get(ENVIRONMENT)
     if not folder:
         return
-    if _reads is None:
-        _reads = set()
+    if not RECORDING:
+        RECORDING = True
         atexit.register(_write, Path(folder) / f"{Path(sys.argv[0]).stem}.json")
     _walk(config, "")
 
@@ -51,27 +51,20 @@ def record_if_requested(config: Any) -> None:
 def _walk(section: Any, path: str) -> None:
     from pydantic import BaseModel
 
+    from eagle3_pipeline.config_reference import nested_models  # config_reference imports config, which imports this
+
     _paths[id(section)] = path
     _sections.append(section)
     for name, field in type(section).model_fields.items():
         value = section.__dict__.get(name)  # not a read
         key = f"{path}.{field.alias or name}".lstrip(".")
-        if _holds_sections(field.annotation):
+        if nested_models(field.annotation):
             _containers.add(key)
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(item, BaseModel):
                 _walk(item, key)
 
 
-def _holds_sections(annotation: Any) -> bool:
-    """A section type, or a list or optional of one."""
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return True
-    return any(_holds_sections(argument) for argument in typing.get_args(annotation))
-
-
 def _write(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(sorted(_reads or ()), indent=1))
+    path.write_text(json.dumps(sorted(_reads), indent=1))

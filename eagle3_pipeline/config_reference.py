@@ -1,4 +1,4 @@
-"""Every stage: docs/config.md, the config reference, generated from the schema in config.py.
+"""Every stage: docs/config.md, the config reference, generated from the schema (config.py, config_sections.py).
 
     python -m eagle3_pipeline config-reference > docs/config.md
 

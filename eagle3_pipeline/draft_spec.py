@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from eagle3_pipeline.config import DraftConfig
+from eagle3_pipeline.config_sections import DraftConfig
 
 LAYER = "layers.0."
 # The verifier's tensors the draft holds frozen during training; no export stores them (vLLM shares the target's).

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.config_sections import EngineConfig, TargetConfig
 from eagle3_pipeline.target import is_mla, text_config
 
 # On a CPU-only machine the KV cache lives in host memory. An explicit size: vLLM's default is sized for

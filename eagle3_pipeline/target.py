@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import ConfigError, RunConfig, TargetConfig
+from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.stand_ins import ensure_stand_in
 

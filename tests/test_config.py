@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pydantic
 import pytest
 import yaml
 
-from eagle3_pipeline import config as config_module
-from eagle3_pipeline.config import ConfigError, load_config
+from eagle3_pipeline.config import ConfigError, RunConfig, load_config
+from eagle3_pipeline.config_reference import section_models
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from tests.conftest import CONFIGS, run_python
 
@@ -109,8 +108,7 @@ def test_unreadable_and_non_yaml_files(tmp_path):
 
 
 def test_every_config_field_is_described():
-    sections = [cls for cls in vars(config_module).values() if isinstance(cls, type)
-                and issubclass(cls, pydantic.BaseModel) and cls.__module__ == config_module.__name__]
+    sections = {model for _, model in section_models(RunConfig)}
     undescribed = [f"{cls.__name__}.{name}" for cls in sections for name, field in cls.model_fields.items()
                    if not (field.description or "").strip()]
     assert len(sections) > 10 and undescribed == []

@@ -10,7 +10,7 @@ import sys
 import types
 
 from eagle3_pipeline import engine
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.export import serving
 
 EAGLE3 = {"method": "eagle3", "model": "/exports/reference", "num_speculative_tokens": 3}

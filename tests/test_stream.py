@@ -20,14 +20,15 @@ from eagle3_pipeline.capture.stream import (
     CONSUMER,
     TRANSPORTS,
     PackItem,
-    Producer,
     Transport,
     decode_item,
     encode_item,
     open_transport,
     transport_class,
 )
-from eagle3_pipeline.config import RunConfig, StreamConfig, apply_overrides, load_config, parse_config
+from eagle3_pipeline.capture.stream_producer import Producer
+from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
+from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
 from eagle3_pipeline.train import loop

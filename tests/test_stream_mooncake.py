@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from eagle3_pipeline.capture import stream_mooncake
-from eagle3_pipeline.capture.stream import CONSUMER, Consumer, Producer, open_transport, published_names
+from eagle3_pipeline.capture.stream import CONSUMER, Consumer, open_transport, published_names
+from eagle3_pipeline.capture.stream_producer import Producer
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.train import loop

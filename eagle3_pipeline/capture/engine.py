@@ -107,7 +107,7 @@ class WorkerExtensionCapturer:
         self.vision = Vision.of_engine(self.llm, model_dir)
 
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
-        from eagle3_pipeline.capture.worker import load_captured
+        from eagle3_pipeline.capture.handover import load_captured
 
         requests, sampling = _prompts(prompts, self.vision)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)

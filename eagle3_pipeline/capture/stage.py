@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eagle3_pipeline.capture import store, stream
+from eagle3_pipeline.capture import store, stream, stream_producer
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
@@ -223,7 +223,7 @@ def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publi
     names = stream.published_names(stage.dir) if publish else []
     published = sum(stage.path(name).stat().st_size for name in names)
     lend = stream.transport_class(config).lend_bytes(
-        config.capture.stream, stream.share_bytes(config.capture.stream, num_shards), published)
+        config.capture.stream, stream_producer.share_bytes(config.capture.stream, num_shards), published)
     transport = stream.open_transport(config, identity, stream.largest_item_bytes(config, per_token), lend)
     if publish:
         transport.clear_other_streams()
@@ -251,8 +251,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
     per_token = store.layout_bytes_per_token(layout)
-    producer = stream.Producer(transport, config.capture.stream, shard_index, num_shards,
-                               identity=lambda: stream_identity(stage.dir))
+    producer = stream_producer.Producer(transport, config.capture.stream, shard_index, num_shards,
+                                        identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
           f"stream into {transport.describe()}, within {producer.share / 1e9:.3f} GB")
 

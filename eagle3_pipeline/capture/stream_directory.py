@@ -1,5 +1,4 @@
-"""Stage 02's stream: the directory transport (`capture.stream.transport: directory`), items as files in one folder
-that every side sees: local NVMe, /dev/shm, or a shared filesystem between two machines."""
+"""Stage 02's stream: the directory transport (`capture.stream.transport: directory`)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from eagle3_pipeline.config import RunConfig, StreamConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.stage_io import atomic_path, read_json, write_json_atomic
 
 

@@ -30,7 +30,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagle3_pipeline.config import MooncakeConfig, RunConfig, StreamConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import MooncakeConfig, StreamConfig
 from eagle3_pipeline.stage_io import StageError, atomic_path
 
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND status

@@ -4,7 +4,8 @@ It needs no extraction support in vLLM itself (0.16 has none), GPU or CPU, and w
 model runners: V1 (the default on 0.16-0.28 for MoE models and on CPU) and Model Runner V2 (the default for
 dense models on 0.26, for every model from 0.29).
 
-    from eagle3_pipeline.capture.worker import EXTENSION, load_captured
+    from eagle3_pipeline.capture.handover import load_captured
+    from eagle3_pipeline.capture.worker import EXTENSION
     llm = LLM(model=target, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False)
     llm.collective_rpc("set_capture_layers", args=([2, 30, 58],))
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], SamplingParams(max_tokens=1))
@@ -23,17 +24,9 @@ dense models on 0.26, for every model from 0.29).
 - States are recorded for the tokens of each forward step in order; a chunked prompt is joined. With
   `max_tokens=1` that is exactly the prompt. Tensor-parallel rank 0 keeps them (the residual stream is
   replicated across ranks); the other ranks return an empty dict. Pipeline parallelism is not supported.
-- Hand-over (RPC results are not a way to move gigabytes, and vLLM's RPC does not return tensors), chosen by
-  `set_capture_layers(..., handover=)`:
-  - `mapped` (the default on a GPU): each step's states are copied, asynchronously on a side CUDA stream so
-    the copy overlaps the next step's forward, into reused page-locked host slabs: files in a folder of the
-    worker's own (under /dev/shm where it has room), registered with CUDA, so the GPU writes them by DMA and the
-    main process maps the same pages; one pass over the bytes. `pop_captured` waits for the copies, then
-    writes one small JSON per request locating its chunks. The slabs are reused from the next forward on:
-    `load_captured` (which copies the states out) must run before the next `generate`.
-  - `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
-  Either way `pop_captured` writes into a directory the caller names and `load_captured` reads and removes
-  what it wrote. A local fast disk or /dev/shm suits.
+- Hand-over (handover.py; RPC results are not a way to move gigabytes), chosen by `set_capture_layers(...,
+  handover=)`: `mapped` (the default on a GPU) copies each step's states into page-locked host slabs the main
+  process maps; `pageable` (the default on CPU) moves them with `.cpu()` into one safetensors file per request.
 - A forward hook on the model (both runners call `self.model(...)`) records each step and hands the runner
   the plain hidden states it expects without a draft. Which tokens belong to which request is read from the
   runner's own step batch: V1 keeps it on the runner (`input_batch.req_ids`, `query_start_loc`,
@@ -46,24 +39,15 @@ dense models on 0.26, for every model from 0.29).
 from __future__ import annotations
 
 import functools
-import json
-import os
-import shutil
-import tempfile
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from eagle3_pipeline.capture.handover import MappedArena, write_request
 
 EXTENSION = "eagle3_pipeline.capture.worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
-SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
-CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)
-ALIGN = 4096
-ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
-STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
 
 
 class HiddenStateCapture:
@@ -105,16 +89,7 @@ class HiddenStateCapture:
         if self._capture_arena is not None:
             self._capture_arena.wait()  # every copy into the slabs has landed
             self._capture_arena.rewind()
-        paths = {}
-        for req_id, parts in chunks.items():
-            mapped = isinstance(parts[0][1], dict)
-            paths[req_id] = path = os.path.join(directory, f"{req_id}.{'json' if mapped else 'safetensors'}")
-            if mapped:
-                Path(path + ".tmp").write_text(json.dumps([{"start": start, **spec} for start, spec in parts]))
-            else:
-                save_file(_join(req_id, parts), path + ".tmp")
-            os.replace(path + ".tmp", path)  # complete under its final name only
-        return paths
+        return {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
 
     # ----------------------------------------------------------------------------------- inside the worker
     def _capture_norm_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -244,111 +219,6 @@ def runner_kind(runner_class: type) -> str:
     return "v2" if runner_class.__module__.startswith("vllm.v1.worker.gpu.") else "v1"
 
 
-class MappedArena:
-    """Reused host slabs that steps' states are copied into: files in a private folder (under /dev/shm where
-    it has room for two slabs, else the temp dir) mapped shared, page-locked with CUDA when `pin`, so a
-    device-to-host copy lands in pages the main process maps. Copies run on a side stream; `wait` blocks
-    until they have landed."""
-
-    def __init__(self, pin: bool, directory: str | None = None):
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        for parent in {directory, shm, tempfile.gettempdir()} - {None}:
-            _remove_orphans(parent)
-        self.slab_bytes = SLAB_BYTES if pin else CPU_SLAB_BYTES
-        if directory is None and shm and shutil.disk_usage(shm).free > 2 * self.slab_bytes:
-            directory = shm
-        self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
-        self.pin = pin
-        self.slabs: list[tuple[str, torch.Tensor]] = []
-        self.slab, self.used = 0, 0
-        self.stream = torch.cuda.Stream() if pin else None
-        self._cleanup = weakref.finalize(self, _release, self.directory, self.slabs, pin)
-
-    def put(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """Start copying one step's tensors (rows = tokens) into a slab; where they will be (`read_step`)."""
-        sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
-        path, base, slab = self._take(sum(_aligned(size) for size in sizes.values()))
-        layout, views = {}, []
-        for name, tensor in tensors.items():
-            layout[name] = [base, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
-            views.append(slab[base : base + sizes[name]].view(tensor.dtype).view(tensor.shape))
-            base += _aligned(sizes[name])
-        if self.stream is None:
-            for view, tensor in zip(views, tensors.values()):
-                view.copy_(tensor)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                for view, tensor in zip(views, tensors.values()):
-                    view.copy_(tensor, non_blocking=True)
-            for tensor in tensors.values():
-                tensor.record_stream(self.stream)  # not reused by the forward before the copy has read it
-        return {"slab": path, "tensors": layout}
-
-    def wait(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def rewind(self) -> None:
-        """Write from the first slab again (what was written is read and copied out before that)."""
-        self.slab, self.used = 0, 0
-
-    def _take(self, nbytes: int) -> tuple[str, int, torch.Tensor]:
-        while self.slab < len(self.slabs) and self.used + nbytes > self.slabs[self.slab][1].numel():
-            self.slab, self.used = self.slab + 1, 0
-        if self.slab == len(self.slabs):
-            self.slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
-        path, slab = self.slabs[self.slab]
-        base, self.used = self.used, self.used + nbytes
-        return path, base, slab
-
-    def _new_slab(self, nbytes: int) -> tuple[str, torch.Tensor]:
-        path = os.path.join(self.directory, f"slab{len(self.slabs)}.bin")
-        if shutil.disk_usage(self.directory).free < nbytes:  # a mapping past a full tmpfs would fault later
-            raise RuntimeError(f"hidden-state capture: {self.directory} has no room for another {nbytes}-byte "
-                               "slab (one generate call's states must fit); capture fewer prompts at once")
-        slab = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        if self.pin:
-            status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
-            if int(status) != 0:
-                raise RuntimeError(f"hidden-state capture: page-locking a {nbytes}-byte slab failed (CUDA error "
-                                   f"{int(status)}); set_capture_layers(..., handover='pageable') avoids it")
-        return path, slab
-
-
-def _remove_orphans(parent: str) -> None:
-    """Slab folders of workers that died without cleaning up (killed runs): their memory is freed here."""
-    for folder in Path(parent).glob(f"{ORPHAN_PREFIX}*-*"):
-        pid = folder.name.removeprefix(ORPHAN_PREFIX).split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def _release(directory: str, slabs: list[tuple[str, torch.Tensor]], pin: bool) -> None:
-    if pin:
-        for _, slab in slabs:
-            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
-    slabs.clear()
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def read_step(spec: dict, slabs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """Rows `rows` of the tensors of a step `MappedArena.put` described: views of the mapped slab (`slabs`
-    caches the mappings by path)."""
-    if spec["slab"] not in slabs:
-        slabs[spec["slab"]] = torch.from_file(spec["slab"], size=os.path.getsize(spec["slab"]), dtype=torch.uint8)
-    slab, views = slabs[spec["slab"]], {}
-    for name, (offset, dtype, shape) in spec["tensors"].items():
-        dtype = getattr(torch, dtype)
-        nbytes = dtype.itemsize * functools.reduce(int.__mul__, shape, 1)
-        views[name] = slab[offset : offset + nbytes].view(dtype).view(shape)[rows]
-    return views
-
-
 def _language_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_language_model() if hasattr(model, "get_language_model") else model
 
@@ -377,48 +247,3 @@ def _check_engine(vllm_config, runner, model: torch.nn.Module, ids: tuple[int, .
         problems.append(f"the {kind} model runner {type(runner).__name__} lacks {missing}")
     if problems:
         raise RuntimeError("hidden-state capture: " + "; ".join(problems))
-
-
-def _join(req_id: str, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One request's chunks in order. A chunk starting at an earlier position replaces what followed it
-    (vLLM recomputes a preempted request from its start)."""
-    token_ids, aux, final = parts[0][1][:0], parts[0][2][:0], parts[0][3][:0]
-    for start, chunk_tokens, chunk_aux, chunk_final in parts:
-        if start > len(token_ids):
-            raise RuntimeError(f"request {req_id}: tokens {len(token_ids)}..{start - 1} were never computed "
-                               "(a prefix-cache hit?)")
-        token_ids = torch.cat([token_ids[:start], chunk_tokens])
-        aux = torch.cat([aux[:start], chunk_aux])
-        final = torch.cat([final[:start], chunk_final])
-    return dict(zip(STATE_NAMES, (token_ids, aux.contiguous(), final.contiguous())))
-
-
-def load_captured(outputs: list, paths: dict[str, str]) -> list[dict[str, torch.Tensor]]:
-    """The states of each `RequestOutput`, in the order of `outputs`, cut to its prompt; the files are removed.
-
-    vLLM's worker sees internal request ids: the output's `request_id`, or it plus "-" and a random suffix.
-    Each capture must start with the prompt's tokens: that is checked, not assumed.
-    """
-    matched, slabs = [], {}
-    for output in outputs:
-        keys = [key for key in paths if key == output.request_id or key.startswith(output.request_id + "-")]
-        if len(keys) != 1:
-            raise KeyError(f"request {output.request_id}: {len(keys)} captures match (of {len(paths)})")
-        states, prompt = _load(keys[0], paths[keys[0]], slabs), list(output.prompt_token_ids)
-        if states["token_ids"][: len(prompt)].tolist() != prompt:
-            raise ValueError(f"request {output.request_id}: captured tokens are not its prompt")
-        matched.append({name: tensor[: len(prompt)] for name, tensor in states.items()})
-        os.remove(paths[keys[0]])
-    return matched
-
-
-def _load(req_id: str, path: str, slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One request's states from what `pop_captured` wrote: a safetensors file, or (mapped hand-over) the
-    JSON list of its chunks in the slabs, joined here into tensors of their own."""
-    if not path.endswith(".json"):
-        return load_file(path)
-    parts = []
-    for chunk in json.loads(Path(path).read_text()):
-        views = read_step(chunk, slabs, slice(chunk["begin"], chunk["end"]))
-        parts.append((chunk["start"], *(views[name] for name in STATE_NAMES)))
-    return _join(req_id, parts)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.data.conversations import InvalidConversation
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import remote_tokenizer_class

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3_pipeline.config import SourceConfig
+from eagle3_pipeline.config_sections import SourceConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

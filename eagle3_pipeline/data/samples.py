@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from eagle3_pipeline.config import DataConfig
+from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.chat_template import KINDS, ChatTemplate
 from eagle3_pipeline.data.conversations import (
     Conversation,

@@ -19,7 +19,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import ConfigError, SourceConfig
+from eagle3_pipeline.config import ConfigError
+from eagle3_pipeline.config_sections import SourceConfig
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages, to_tools
 from eagle3_pipeline.stage_io import StageError
 

@@ -22,7 +22,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import DataConfig, RunConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
 from eagle3_pipeline.data.generate import generate_turns

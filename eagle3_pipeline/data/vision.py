@@ -19,7 +19,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.data.conversations import InvalidConversation
 from eagle3_pipeline.target import image_token_id
 

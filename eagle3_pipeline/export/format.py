@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3_pipeline.config import DraftConfig, RunConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import DraftConfig
 from eagle3_pipeline.draft_spec import floating_shapes, stored_tensors, vocab_map_shapes
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import run_aux_layer_ids, target_facts

@@ -159,7 +159,7 @@ class VerifierTargets:
 
 def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attention: str,
                 model_class: type[Eagle3DraftModel] = Eagle3Draft, standardize_aux: bool = False) -> Eagle3DraftModel:
-    """A freshly initialised draft of the `draft:` config's shape (`draft` is a config.DraftConfig), with an
+    """A freshly initialised draft of the `draft:` config's shape (`draft` is a config_sections.DraftConfig), with an
     `aux_scale` buffer when `standardize_aux` (`train.standardize_aux`)."""
     layer_config = LlamaConfig(
         vocab_size=target_vocab_size,

@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eagle3_pipeline.acceptance import metric_key
-from eagle3_pipeline.config import RunConfig, ValidateConfig
+from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config_sections import ValidateConfig
 from eagle3_pipeline.export.format import Spec, read_spec, reference_spec, spec_format
 from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest

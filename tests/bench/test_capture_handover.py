@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bench.capture_handover import fake_worker, record
-from eagle3_pipeline.capture.worker import ORPHAN_PREFIX, HiddenStateCapture, MappedArena, load_captured
+from eagle3_pipeline.capture.handover import ORPHAN_PREFIX, MappedArena, load_captured
+from eagle3_pipeline.capture.worker import HiddenStateCapture
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, NUM_AUX = 16, 3

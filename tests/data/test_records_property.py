@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from eagle3_pipeline.config import DataConfig, SourceConfig
+from eagle3_pipeline.config_sections import DataConfig, SourceConfig
 from eagle3_pipeline.data.chat_template import REASONING_END, REASONING_START, ChatTemplate, load_tokenizer
 from eagle3_pipeline.data.conversations import InvalidConversation, Skips
 from eagle3_pipeline.data.samples import served_turns, to_rows

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.config import DataConfig, SourceConfig
+from eagle3_pipeline.config_sections import DataConfig, SourceConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate, load_tokenizer
 from eagle3_pipeline.data.conversations import Skips
 from eagle3_pipeline.data.generate import Rewrite

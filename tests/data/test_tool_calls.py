@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3_pipeline.config import DataConfig
+from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate, load_tokenizer
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, to_messages, to_tools
 from eagle3_pipeline.data.generate import Rewrite

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.engine import start_engine
 from tests.patches.vllm_source import Source, unpacked_vllm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_pipeline.capture.worker import _join
+from eagle3_pipeline.capture.handover import _join
 
 
 def chunk(start: int, tokens: list[int]):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_pipeline.capture.worker import EXTENSION, load_captured
+from eagle3_pipeline.capture.handover import load_captured
+from eagle3_pipeline.capture.worker import EXTENSION
 from tests.patches.conftest import relative_error, running_llm
 
 pytestmark = pytest.mark.vllm

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.engine import start_engine
 from tests.conftest import run_python
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from eagle3_pipeline.capture.store import SampleStates
-from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.data.sources import HUMANEVAL_REQUEST
 from eagle3_pipeline.engine import start_engine
 from tests.conftest import run_python

@@ -1,0 +1,198 @@
+"""Stage 02: how the capture worker (worker.py) hands the recorded states over to the main process.
+
+RPC results are not a way to move gigabytes, and vLLM's RPC does not return tensors. The worker's
+`set_capture_layers(..., handover=)` chooses one of two hand-overs:
+
+- `mapped` (the default on a GPU): each step's states are copied, asynchronously on a side CUDA stream so
+  the copy overlaps the next step's forward, into reused page-locked host slabs (`MappedArena`): files in a
+  folder of the worker's own (under /dev/shm where it has room), registered with CUDA, so the GPU writes them
+  by DMA and the main process maps the same pages; one pass over the bytes. `pop_captured` waits for the
+  copies, then writes one small JSON per request locating its chunks. The slabs are reused from the next
+  forward on: `load_captured` (which copies the states out) must run before the next `generate`.
+- `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
+
+Either way `pop_captured` writes (`write_request`) into a directory the caller names and `load_captured` reads
+and removes what it wrote. A local fast disk or /dev/shm suits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
+CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)
+ALIGN = 4096
+ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
+STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
+
+
+class MappedArena:
+    """Reused host slabs that steps' states are copied into: files in a private folder (under /dev/shm where
+    it has room for two slabs, else the temp dir) mapped shared, page-locked with CUDA when `pin`, so a
+    device-to-host copy lands in pages the main process maps. Copies run on a side stream; `wait` blocks
+    until they have landed."""
+
+    def __init__(self, pin: bool, directory: str | None = None):
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        for parent in {directory, shm, tempfile.gettempdir()} - {None}:
+            _remove_orphans(parent)
+        self.slab_bytes = SLAB_BYTES if pin else CPU_SLAB_BYTES
+        if directory is None and shm and shutil.disk_usage(shm).free > 2 * self.slab_bytes:
+            directory = shm
+        self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
+        self.pin = pin
+        self.slabs: list[tuple[str, torch.Tensor]] = []
+        self.slab, self.used = 0, 0
+        self.stream = torch.cuda.Stream() if pin else None
+        self._cleanup = weakref.finalize(self, _release, self.directory, self.slabs, pin)
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Start copying one step's tensors (rows = tokens) into a slab; where they will be (`read_step`)."""
+        sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+        path, base, slab = self._take(sum(_aligned(size) for size in sizes.values()))
+        layout, views = {}, []
+        for name, tensor in tensors.items():
+            layout[name] = [base, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+            views.append(slab[base : base + sizes[name]].view(tensor.dtype).view(tensor.shape))
+            base += _aligned(sizes[name])
+        if self.stream is None:
+            for view, tensor in zip(views, tensors.values()):
+                view.copy_(tensor)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for view, tensor in zip(views, tensors.values()):
+                    view.copy_(tensor, non_blocking=True)
+            for tensor in tensors.values():
+                tensor.record_stream(self.stream)  # not reused by the forward before the copy has read it
+        return {"slab": path, "tensors": layout}
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def rewind(self) -> None:
+        """Write from the first slab again (what was written is read and copied out before that)."""
+        self.slab, self.used = 0, 0
+
+    def _take(self, nbytes: int) -> tuple[str, int, torch.Tensor]:
+        while self.slab < len(self.slabs) and self.used + nbytes > self.slabs[self.slab][1].numel():
+            self.slab, self.used = self.slab + 1, 0
+        if self.slab == len(self.slabs):
+            self.slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
+        path, slab = self.slabs[self.slab]
+        base, self.used = self.used, self.used + nbytes
+        return path, base, slab
+
+    def _new_slab(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        path = os.path.join(self.directory, f"slab{len(self.slabs)}.bin")
+        if shutil.disk_usage(self.directory).free < nbytes:  # a mapping past a full tmpfs would fault later
+            raise RuntimeError(f"hidden-state capture: {self.directory} has no room for another {nbytes}-byte "
+                               "slab (one generate call's states must fit); capture fewer prompts at once")
+        slab = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        if self.pin:
+            status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
+            if int(status) != 0:
+                raise RuntimeError(f"hidden-state capture: page-locking a {nbytes}-byte slab failed (CUDA error "
+                                   f"{int(status)}); set_capture_layers(..., handover='pageable') avoids it")
+        return path, slab
+
+
+def _remove_orphans(parent: str) -> None:
+    """Slab folders of workers that died without cleaning up (killed runs): their memory is freed here."""
+    for folder in Path(parent).glob(f"{ORPHAN_PREFIX}*-*"):
+        pid = folder.name.removeprefix(ORPHAN_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _release(directory: str, slabs: list[tuple[str, torch.Tensor]], pin: bool) -> None:
+    if pin:
+        for _, slab in slabs:
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+    slabs.clear()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def read_step(spec: dict, slabs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Rows `rows` of the tensors of a step `MappedArena.put` described: views of the mapped slab (`slabs`
+    caches the mappings by path)."""
+    if spec["slab"] not in slabs:
+        slabs[spec["slab"]] = torch.from_file(spec["slab"], size=os.path.getsize(spec["slab"]), dtype=torch.uint8)
+    slab, views = slabs[spec["slab"]], {}
+    for name, (offset, dtype, shape) in spec["tensors"].items():
+        dtype = getattr(torch, dtype)
+        nbytes = dtype.itemsize * functools.reduce(int.__mul__, shape, 1)
+        views[name] = slab[offset : offset + nbytes].view(dtype).view(shape)[rows]
+    return views
+
+
+def write_request(directory: str, req_id: str, parts: list[tuple]) -> str:
+    """One request's chunks, as `pop_captured` recorded them, into `directory`: the JSON list locating them in the
+    slabs (mapped), or its states joined into one safetensors file (pageable). Returns the file's path."""
+    mapped = isinstance(parts[0][1], dict)
+    path = os.path.join(directory, f"{req_id}.{'json' if mapped else 'safetensors'}")
+    if mapped:
+        Path(path + ".tmp").write_text(json.dumps([{"start": start, **spec} for start, spec in parts]))
+    else:
+        save_file(_join(req_id, parts), path + ".tmp")
+    os.replace(path + ".tmp", path)  # complete under its final name only
+    return path
+
+
+def _join(req_id: str, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One request's chunks in order. A chunk starting at an earlier position replaces what followed it
+    (vLLM recomputes a preempted request from its start)."""
+    token_ids, aux, final = parts[0][1][:0], parts[0][2][:0], parts[0][3][:0]
+    for start, chunk_tokens, chunk_aux, chunk_final in parts:
+        if start > len(token_ids):
+            raise RuntimeError(f"request {req_id}: tokens {len(token_ids)}..{start - 1} were never computed "
+                               "(a prefix-cache hit?)")
+        token_ids = torch.cat([token_ids[:start], chunk_tokens])
+        aux = torch.cat([aux[:start], chunk_aux])
+        final = torch.cat([final[:start], chunk_final])
+    return dict(zip(STATE_NAMES, (token_ids, aux.contiguous(), final.contiguous())))
+
+
+def load_captured(outputs: list, paths: dict[str, str]) -> list[dict[str, torch.Tensor]]:
+    """The states of each `RequestOutput`, in the order of `outputs`, cut to its prompt; the files are removed.
+
+    vLLM's worker sees internal request ids: the output's `request_id`, or it plus "-" and a random suffix.
+    Each capture must start with the prompt's tokens: that is checked, not assumed.
+    """
+    matched, slabs = [], {}
+    for output in outputs:
+        keys = [key for key in paths if key == output.request_id or key.startswith(output.request_id + "-")]
+        if len(keys) != 1:
+            raise KeyError(f"request {output.request_id}: {len(keys)} captures match (of {len(paths)})")
+        states, prompt = _load(keys[0], paths[keys[0]], slabs), list(output.prompt_token_ids)
+        if states["token_ids"][: len(prompt)].tolist() != prompt:
+            raise ValueError(f"request {output.request_id}: captured tokens are not its prompt")
+        matched.append({name: tensor[: len(prompt)] for name, tensor in states.items()})
+        os.remove(paths[keys[0]])
+    return matched
+
+
+def _load(req_id: str, path: str, slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One request's states from what `pop_captured` wrote: a safetensors file, or (mapped hand-over) the
+    JSON list of its chunks in the slabs, joined here into tensors of their own."""
+    if not path.endswith(".json"):
+        return load_file(path)
+    parts = []
+    for chunk in json.loads(Path(path).read_text()):
+        views = read_step(chunk, slabs, slice(chunk["begin"], chunk["end"]))
+        parts.append((chunk["start"], *(views[name] for name in STATE_NAMES)))
+    return _join(req_id, parts)

