@@ -88,8 +88,10 @@ class SourceConfig(Section):
         None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"
     )
     split: str = Field("train", description="hf: which split to read")
-    schema_: Literal["auto", "sharegpt", "messages"] = Field(
-        "auto", alias="schema", description="sharegpt: conversations of from/value; messages: role/content"
+    schema_: Literal["auto", "sharegpt", "messages", "kimi_mtp"] = Field(
+        "auto", alias="schema", description="sharegpt: conversations of from/value; messages: role/content; kimi_mtp: "
+        "lightseekorg/kimi-mtp-dataset's ShareGPT turns with Kimi's inline <think> reasoning, tool-call sections and "
+        "JSON-encoded image parts (no auto-detection: name it)"
     )
     limit: int | None = Field(None, ge=1, description="take at most this many records (magpie: conversations made)")
     skip: int = Field(0, ge=0, description="records passed over before reading: disjoint slices of one source "

@@ -85,3 +85,32 @@ def test_a_json_encoded_user_turn_with_an_image_becomes_image_parts():
 def test_malformed_kimi_turns_are_skipped_by_reason(value, reason):
     with pytest.raises(InvalidConversation, match=reason):
         to_messages({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": value}]}, "kimi_mtp")
+
+
+def test_stage_01_trains_a_kimi_mtp_file_as_written(tmp_path):
+    """01 on the tiny Kimi, no regeneration: text, thinking, tool calls and an image read from a kimi-mtp file;
+    a malformed row counted by reason; the reasoning and tool calls trained."""
+    from PIL import Image
+
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.data import stage as prepare_data
+    from tests.conftest import CONFIGS
+
+    Image.new("RGB", (28, 28), (200, 40, 40)).save(tmp_path / "red.png")
+    picture = [{"type": "text", "text": "What colour is this?"},
+               {"type": "image_url", "image_url": {"url": str(tmp_path / "red.png")}}]
+    rows = [KIMI_MTP_RECORD,
+            {"conversations": [{"from": "human", "value": json.dumps(picture)},
+                               {"from": "gpt", "value": "<think>It is plain.</think>Red."}]},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "<think>Hmm.</think>"}]}]
+    records = tmp_path / "train-00000-of-00001.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(CONFIGS / "tiny_kimi.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"data.sources=[{{kind: file, name: {records}, schema: kimi_mtp}}]",
+        "data.eval_sources=[]", "data.eval_fraction=0.0", "data.regenerate.enabled=false", "data.max_seq_len=1024"])
+    prepare_data.run(config)
+    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    assert stats["skipped"] == {"empty_content": {"count": 1, "first_ids": ["train-00000-of-00001-2"]}}
+    train = stats["train"]
+    assert train["samples"] == 2 and train["image_tokens"] > 0
+    assert all(train["loss_tokens_by_kind"][kind] > 0 for kind in ("reasoning", "answer", "tool_call"))
