@@ -321,7 +321,6 @@ class ExportConfig(Section):
         ["reference", "speculators"], min_length=1,
         description="reference = AQ-MedAI/SpecForge layout (midlayer.*); speculators = vllm-project/speculators config",
     )
-    num_speculative_tokens: int = Field(3, ge=1, description="written into the speculators config and the model card")
     target_facts: TargetFacts | None = Field(
         None, description="null = read the target's config.json; set it to run `05_export.py --spec-only` where "
         "the target is absent (when both exist they must agree)",
@@ -330,8 +329,9 @@ class ExportConfig(Section):
 
 class ValidateConfig(Section):
     num_speculative_tokens: list[int] = Field(
-        [3], min_length=1, description="one engine start per value; 04 simulates acceptance at these k (and up to "
-        "max_tokens), so a change makes 04 stale"
+        [3], min_length=1, description="the k the draft is served and validated at: the first is written into the "
+        "speculators config and the serving command; 06 starts one engine per value; 04 simulates acceptance at each "
+        "(and up to max_tokens), so a change makes 04 stale"
     )
     max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
     max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")

@@ -33,7 +33,7 @@ def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None
     """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
     measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
     export_dir = Path(export_dir).resolve()
-    speculative = speculative_config(export_dir, k or config.export.num_speculative_tokens)
+    speculative = speculative_config(export_dir, k or config.validate_.num_speculative_tokens[0])
     settings, environment = engine_settings(config.target, Path(serving_path(config.target)),
                                             speculative_config=speculative)
     if fmt == "speculators":  # the folder names its verifier and holds its speculative config

@@ -180,7 +180,7 @@ def export_config(config: RunConfig, reference: dict, fmt: str) -> dict:
     if fmt == "reference":
         return reference
     return speculators_config(reference, serving_path(config.target), architectures(config.target),
-                              config.export.num_speculative_tokens)
+                              config.validate_.num_speculative_tokens[0])
 
 
 def write_export(stage: Stage, fmt: str, state: dict, config_json: dict, card: dict) -> Path:
