@@ -123,11 +123,11 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
         with torch.no_grad():
             hidden = {name: m(input_ids=ids, output_hidden_states=True).hidden_states
                       for name, m in text_models.items()}
-            expected = {f"id {i}": hidden["float32"][i][0] for i in layout["aux_layer_ids"]}
+            expected = {f"id {i}": hidden["float32"][i][0] for i in layout.aux_layer_ids}
             expected["final"] = hidden["float32"][-1][0]
-            captured = {f"id {i}": aux[:, j] for j, i in enumerate(layout["aux_layer_ids"])}
+            captured = {f"id {i}": aux[:, j] for j, i in enumerate(layout.aux_layer_ids)}
             captured["final"] = text_models["float32"].norm(final.cuda().float())
-            own = {f"id {i}": hidden[config.capture.dtype][i][0] for i in layout["aux_layer_ids"]}
+            own = {f"id {i}": hidden[config.capture.dtype][i][0] for i in layout.aux_layer_ids}
             own["final"] = hidden[config.capture.dtype][-1][0]
             for name, reference in expected.items():
                 reference = reference.float()

@@ -85,7 +85,7 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
         "train_rows": n_train, "eval_rows": n_eval,
         # ArrowDataset splits at int(N * ratio): (n_train + 0.5) / N lands on n_train exactly
         "train_data_ratio": (n_train + 0.5) / (n_train + n_eval),
-        "aux_layer_ids": layout["aux_layer_ids"],
+        "aux_layer_ids": layout.aux_layer_ids,
     }
     done.write_text(json.dumps(facts, indent=2) + "\n")
     return facts

@@ -136,7 +136,8 @@ def write_shard_folder(folder: Path, states: list[SampleStates]) -> Path:
     """A folder of 02's shards and index alone (no stage), for readers' tests; all aux columns, final id 1 more."""
     num_aux, hidden = states[0].aux.shape[1:]
     entries = write_shard(folder / "shard_00000.safetensors", states, "bfloat16")
-    write_index(folder, entries, capture.states_layout(list(range(num_aux)), num_aux, hidden, "bfloat16"))
+    layout = capture.states_layout(list(range(num_aux)), num_aux, hidden, "bfloat16")
+    write_index(folder, entries, layout, dict.fromkeys(entries, "train"))
     return folder
 
 
