@@ -26,8 +26,8 @@ import yaml
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import read_manifest
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import write_data_stage
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4."}]
 OFF = ["data.regenerate.enabled=false", "data.eval_sources=[]", "data.eval_fraction=0"]

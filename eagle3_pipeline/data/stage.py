@@ -90,7 +90,7 @@ def run(config: RunConfig, force: bool = False) -> None:
 def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], vocab_size: int,
                    stats: dict[str, Any]) -> None:
     """01's files from its tokenized rows (`samples.to_row`'s form), then its manifest: the one writer of a
-    finished 01_data (the tests' fabricated ones come through here too)."""
+    finished 01_data (stand_ins/fabricated_stages.py's come through here too)."""
     with stage.timed("write"):
         _save_split(stage, "train", train_rows)
         _save_split(stage, "eval", eval_rows)
