@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from eagle3_pipeline.capture import store, stream
 from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.data.dataset import SPLITS, open_split
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
@@ -33,7 +34,6 @@ LAYER_ID_CONVENTION = (
     "vLLM: aux id i is the residual stream entering decoder layer i (hidden_states + residual), equal to "
     "Hugging Face output_hidden_states[i]; `final` is the last decoder layer's output before the final norm"
 )
-SPLITS = ("train", "eval")
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,9 @@ class ShardPlan:
 
 
 def load_samples(data_dir: Path) -> list[Sample]:
-    from datasets import load_from_disk
-
     samples = []
     for split in SPLITS:
-        dataset = load_from_disk(str(data_dir / split)).select_columns(["id", "input_ids", "images"])
+        dataset = open_split(data_dir, split).select_columns(["id", "input_ids", "images"])
         samples += [Sample(row["id"], split, list(row["input_ids"]), tuple(row["images"])) for row in dataset]
     return samples
 
