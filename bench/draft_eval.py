@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.data.dataset import open_split
 from eagle3_pipeline.pack_plan import plan_packs
 from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import ttt_masks
@@ -61,7 +61,7 @@ class EvalRows:
     """Our eval split as packed rows, packed once (seed 0) and shared by every draft evaluated."""
 
     def __init__(self, run_dir: Path, packed_length: int):
-        split = datasets.load_from_disk(str(run_dir / "01_data" / "eval"))
+        split = open_split(run_dir / "01_data", "eval")
         states = run_dir / "02_hidden_states"
         rows_per_sample = np.asarray(split["seq_len"], dtype=np.int64) - 1
         self.rows = PackedRows(split, states, packed_length, aux_width=0, hidden_size=0)

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 # imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
-from datasets import load_from_disk
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3_pipeline.capture.store import open_reader  # noqa: E402
 from eagle3_pipeline.config import load_config  # noqa: E402
+from eagle3_pipeline.data.dataset import open_split  # noqa: E402
 from eagle3_pipeline.stage_io import STAGES  # noqa: E402
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat  # noqa: E402
 from eagle3_pipeline.target import target_path  # noqa: E402
@@ -106,7 +106,7 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
     config = load_config(config_path, [*overrides, f"run_dir={run_dir}"])
     model_dir = target_path(config.target)
     reader, layout = open_reader(run_dir / "02_hidden_states")
-    split = load_from_disk(str(run_dir / "01_data" / "train"))
+    split = open_split(run_dir / "01_data", "train")
     rows = [row for row in split if not row.get("images")][:samples]
     architecture = AutoConfig.from_pretrained(model_dir, trust_remote_code=config.target.trust_remote_code)
     loader = AutoModelForImageTextToText if hasattr(architecture, "text_config") else AutoModelForCausalLM
@@ -123,11 +123,11 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
         with torch.no_grad():
             hidden = {name: m(input_ids=ids, output_hidden_states=True).hidden_states
                       for name, m in text_models.items()}
-            expected = {f"id {i}": hidden["float32"][i][0] for i in layout["aux_layer_ids"]}
+            expected = {f"id {i}": hidden["float32"][i][0] for i in layout.aux_layer_ids}
             expected["final"] = hidden["float32"][-1][0]
-            captured = {f"id {i}": aux[:, j] for j, i in enumerate(layout["aux_layer_ids"])}
+            captured = {f"id {i}": aux[:, j] for j, i in enumerate(layout.aux_layer_ids)}
             captured["final"] = text_models["float32"].norm(final.cuda().float())
-            own = {f"id {i}": hidden[config.capture.dtype][i][0] for i in layout["aux_layer_ids"]}
+            own = {f"id {i}": hidden[config.capture.dtype][i][0] for i in layout.aux_layer_ids}
             own["final"] = hidden[config.capture.dtype][-1][0]
             for name, reference in expected.items():
                 reference = reference.float()

@@ -160,13 +160,13 @@ def link_shared(run_dir: Path, shared: Path) -> None:
 # ----------------------------------------------------------------------------------------- token budgets
 def our_token_budget(config) -> int:
     """Rows (tokens after the one-token shift) our 04 trains on: its own pack stream, max_steps global batches."""
-    import datasets
     import numpy as np
 
+    from eagle3_pipeline.data.dataset import open_split
     from eagle3_pipeline.pack_plan import PackStream
 
     train = config.train
-    split = datasets.load_from_disk(str(Path(config.run_dir) / "01_data" / "train"))
+    split = open_split(Path(config.run_dir) / "01_data", "train")
     rows = np.asarray(split["seq_len"], dtype=np.int64) - 1
     stream = PackStream(rows, train.packed_length, train.seed)
     packs = train.max_steps * train.micro_batch_size * train.grad_accumulation  # one process

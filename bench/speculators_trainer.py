@@ -51,11 +51,12 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
     from safetensors.torch import save_file
 
     from eagle3_pipeline.capture.store import open_reader
+    from eagle3_pipeline.data.dataset import SPLITS, open_split
 
     done = out_dir / "bench_dataset.json"
     if done.exists():
         return json.loads(done.read_text())
-    splits = [datasets.load_from_disk(str(shared_run_dir / "01_data" / name)) for name in ("train", "eval")]
+    splits = [open_split(shared_run_dir / "01_data", name) for name in SPLITS]
     reader, layout = open_reader(shared_run_dir / "02_hidden_states")
     (out_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": [], "id": []}
@@ -85,7 +86,7 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
         "train_rows": n_train, "eval_rows": n_eval,
         # ArrowDataset splits at int(N * ratio): (n_train + 0.5) / N lands on n_train exactly
         "train_data_ratio": (n_train + 0.5) / (n_train + n_eval),
-        "aux_layer_ids": layout["aux_layer_ids"],
+        "aux_layer_ids": layout.aux_layer_ids,
     }
     done.write_text(json.dumps(facts, indent=2) + "\n")
     return facts

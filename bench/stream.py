@@ -126,14 +126,15 @@ def prepare(work: Path, config_path: Path, args) -> Path:
         for stage in ("01_data", "03_vocab"):
             shutil.copytree(args.prepared / stage, prepared / stage)
         return prepared
+    from eagle3_pipeline import vocab
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.stand_ins import ensure_stand_in
-    from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
+    from eagle3_pipeline.stand_ins.fabricated_stages import humaneval_samples, write_data_stage
 
     config = load_config(config_path, [f"run_dir={prepared}"])
-    samples = _humaneval_chats(ensure_stand_in("smollm2-135m-instruct"), args.samples + 2, args.max_tokens)
+    samples = humaneval_samples(ensure_stand_in("smollm2-135m-instruct"), args.samples + 2, args.max_tokens)
     write_data_stage(config, samples[:-2], samples[-2:], vocab=49152)
-    write_vocab_stage(config)
+    vocab.run(config)
     return prepared
 
 

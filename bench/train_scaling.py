@@ -379,7 +379,7 @@ def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
     """Finished 01_data, 02_hidden_states (random bf16 states) and 03_vocab (the real stage) under `config`."""
     from eagle3_pipeline import vocab
     from eagle3_pipeline.capture.store import SampleStates
-    from tests.train.fabricate import write_data_stage, write_states_stage  # the stages' own writers
+    from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 
     rng = np.random.default_rng(0)
     low, high = shape["lengths"]

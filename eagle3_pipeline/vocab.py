@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.data.dataset import TOKEN_FREQ, read_token_freq
 from eagle3_pipeline.stage_io import Stage, StageError
 
-TOKEN_FREQ = "token_freq.safetensors"
 VOCAB_FILE = "vocab.safetensors"
 
 
@@ -76,11 +76,11 @@ def run(config: RunConfig, force: bool = False) -> None:
     if stage.is_complete():
         return
     stage.check_inputs()
-    freq_path = stage.input_dir("01_data") / TOKEN_FREQ
+    data_dir = stage.input_dir("01_data")
     try:
-        counts = load_file(str(freq_path))["counts"].to(torch.int64)
+        counts = read_token_freq(data_dir).to(torch.int64)
     except (OSError, KeyError) as err:
-        raise StageError(f"{freq_path}: cannot read tensor `counts` ({err}); rerun 01_prepare_data.py --force") \
+        raise StageError(f"{data_dir / TOKEN_FREQ}: cannot read tensor `counts` ({err}); rerun 01_prepare_data.py --force") \
             from None
 
     vocab = select_draft_vocab(counts, config.draft.draft_vocab_size, config.vocab.always_include)

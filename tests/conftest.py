@@ -67,8 +67,8 @@ def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str,
     """
     from transformers import AutoTokenizer
 
+    from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage
     from eagle3_pipeline.target import text_config
-    from tests.train.fabricate import write_data_stage
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = {split: [] for split in ("train", "eval")}

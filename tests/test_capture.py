@@ -95,8 +95,8 @@ def test_states_equal_transformers_hidden_states(uninterrupted, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     reader, layout = open_reader(uninterrupted / "02_hidden_states")
-    aux_ids = layout["aux_layer_ids"]
-    assert aux_ids == [2, 15, 27] and layout["final_layer_id"] == 30 and "entering decoder layer i" in layout["layer_id_convention"]
+    aux_ids = layout.aux_layer_ids
+    assert aux_ids == [2, 15, 27] and layout.final_layer_id == 30 and "entering decoder layer i" in layout.layer_id_convention
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     worst = {"aux": 0.0, "final": 0.0}
     for split in ("train", "eval"):
@@ -197,7 +197,7 @@ def test_tiny_kimi_states_equal_transformers_through_the_worker_extension(tiny_k
     assert "capture path: worker_extension" in result.stdout
 
     reader, layout = open_reader(run_dir / "02_hidden_states")
-    assert layout["aux_layer_ids"] == [2, 4, 5] and layout["final_layer_id"] == 8
+    assert layout.aux_layer_ids == [2, 4, 5] and layout.final_layer_id == 8
     model = AutoModelForImageTextToText.from_pretrained(tiny_kimi_dir, dtype=torch.float32).eval()
     text_model, tokenizer = model.get_decoder(), AutoTokenizer.from_pretrained(tiny_kimi_dir)
     worst = {"aux": 0.0, "final": 0.0}
@@ -209,7 +209,7 @@ def test_tiny_kimi_states_equal_transformers_through_the_worker_extension(tiny_k
             hf = model(input_ids=ids, output_hidden_states=True).hidden_states
             aux, final = reader.get(sample_id)
             normed = text_model.norm(final.float())
-        for column, layer_id in enumerate(layout["aux_layer_ids"]):
+        for column, layer_id in enumerate(layout.aux_layer_ids):
             worst["aux"] = max(worst["aux"], relative_error(aux[:, column], hf[layer_id][0]))
         worst["final"] = max(worst["final"], relative_error(normed, hf[-1][0]))
     print(f"tiny Kimi: max relative error vs HF fp32: aux {worst['aux']:.4f}, norm(final) {worst['final']:.4f}")

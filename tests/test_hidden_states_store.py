@@ -21,9 +21,10 @@ def samples(hidden=576, num_aux=3, lengths=(37, 5, 120), seed=0):
 def test_bf16_round_trip_is_exact(tmp_path):
     written = samples()
     entries = store.write_shard(tmp_path / "shard_00000.safetensors", written, "bfloat16")
-    store.write_index(tmp_path, entries, {"aux_layer_ids": [2, 15, 27], "hidden_size": 576, "dtype": "bfloat16"})
+    written_layout = store.StatesLayout([2, 15, 27], 30, "vLLM", 576, "bfloat16")
+    store.write_index(tmp_path, entries, written_layout, dict.fromkeys(entries, "train"))
     reader, layout = store.open_reader(tmp_path)
-    assert layout == {"aux_layer_ids": [2, 15, 27], "hidden_size": 576, "dtype": "bfloat16"}
+    assert layout == written_layout
     for sample in written:
         aux, final = reader.get(sample.sample_id)
         assert torch.equal(aux, sample.aux) and torch.equal(final, sample.final)

@@ -19,6 +19,7 @@ from datasets import load_from_disk
 from eagle3_pipeline import config_reads
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.data.dataset import read_stats
 from eagle3_pipeline.stage_io import STAGES, read_manifest
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 from tests.conftest import CONFIGS, run_python
@@ -48,7 +49,7 @@ def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_p
         assert manifests[spec.name] is not None and manifests[spec.name]["stage"] == spec.name
 
     data = manifests["01_data"]["counts"]
-    stats = json.loads((run_dir / "01_data" / "stats.json").read_text())
+    stats = read_stats(run_dir / "01_data")
     assert data["train_samples"] + data["eval_samples"] + data["skipped"] == 33 and data["eval_samples"] >= 1
     assert stats["generation"]["answers_generated"] > 0
     prompts = load_from_disk(str(run_dir / "01_data" / "eval"))["prompt_ids"]

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.data import stage as prepare_data
+from eagle3_pipeline.data.dataset import read_stats
 from eagle3_pipeline.target import target_path
 from tests.conftest import CONFIGS, ROOT, run_python
 
@@ -74,7 +75,7 @@ def test_one_bad_record_of_each_kind_is_counted_and_the_good_rows_kept(tmp_path)
     result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]", "--set", "data.max_seq_len=64")
     assert result.returncode == 0, result.stderr
     out = tmp_path / "run" / "01_data"
-    stats = json.loads((out / "stats.json").read_text())
+    stats = read_stats(out)
     expected_ids = {reason: [f"mixed-{i + 1}"] for i, reason in enumerate(DEFECTS)}
     assert stats["skipped"] == {reason: {"count": 1, "first_ids": ids} for reason, ids in expected_ids.items()}
     train = datasets.load_from_disk(str(out / "train"))
@@ -94,11 +95,11 @@ def test_overlong_samples_are_dropped_or_truncated_as_configured(tmp_path):
     dropped = prepare(tmp_path, "--set", source, "--set", "data.max_seq_len=40", "--set", "data.overlong=drop",
                       run="drop")
     assert dropped.returncode == 0, dropped.stderr
-    stats = json.loads((tmp_path / "drop" / "01_data" / "stats.json").read_text())
+    stats = read_stats(tmp_path / "drop" / "01_data")
     assert stats["skipped"] == {"overlong": {"count": 1, "first_ids": ["long-1"]}}
     truncated = prepare(tmp_path, "--set", source, "--set", "data.max_seq_len=40", run="truncate")
     assert truncated.returncode == 0, truncated.stderr
-    stats = json.loads((tmp_path / "truncate" / "01_data" / "stats.json").read_text())
+    stats = read_stats(tmp_path / "truncate" / "01_data")
     assert stats["train"]["truncated"] == 1 and stats["train"]["samples"] == 2 and stats["skipped"] == {}
     assert max(datasets.load_from_disk(str(tmp_path / "truncate" / "01_data" / "train"))["seq_len"]) == 40
 
@@ -200,7 +201,7 @@ def test_killed_regeneration_resumes_and_generates_every_sample_once(tmp_path):
     assert sorted(generated) == sorted([f"magpie-{i}" for i in range(6)] + ["prompts-0", "prompts-1"])
 
     out = tmp_path / "run" / "01_data"
-    stats = json.loads((out / "stats.json").read_text())
+    stats = read_stats(out)
     train, held_out = (datasets.load_from_disk(str(out / split)) for split in ("train", "eval"))
     skipped = sum(reason["count"] for reason in stats["skipped"].values())
     assert len(train) + len(held_out) + skipped == 8 and held_out["id"] == ["prompts-0", "prompts-1"]
@@ -266,6 +267,6 @@ def test_a_text_only_target_skips_image_conversations_by_reason(tmp_path):
     data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, image])
     result = prepare(tmp_path, "--set", f"data.sources=[{{kind: file, name: {data}}}]")
     assert result.returncode == 0, result.stderr
-    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    stats = read_stats(tmp_path / "run" / "01_data")
     assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["mixed-1"]}}
     assert stats["train"]["samples"] == 1 and stats["train"]["image_tokens"] == 0

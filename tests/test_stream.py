@@ -31,6 +31,7 @@ from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, pars
 from eagle3_pipeline.config_sections import StreamConfig
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings
@@ -41,8 +42,6 @@ from tests.train.fabricate import (
     tiny_run,
     tiny_run_config,
     tiny_target,
-    write_data_stage,
-    write_states_stage,
     write_vocab_stage,
 )
 

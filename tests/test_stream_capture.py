@@ -21,10 +21,11 @@ import pytest
 
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import read_manifest
+from eagle3_pipeline.stand_ins.fabricated_stages import humaneval_samples, write_data_stage
 from tests.conftest import CONFIGS, ROOT
 from tests.mooncake_master import mooncake_settings, running_master
 from tests.test_stream_mooncake import MASTER_GONE_WITHIN_S
-from tests.train.fabricate import _humaneval_chats, write_data_stage, write_vocab_stage
+from tests.train.fabricate import write_vocab_stage
 
 pytestmark = pytest.mark.vllm
 
@@ -102,7 +103,7 @@ def prepared(tmp_path_factory, smollm2_dir) -> Path:
     run_dir.parent.mkdir(parents=True)
     shutil.copy(CONFIGS / "demo.yaml", run_dir.parent / "demo.yaml")
     config = load_config(run_dir.parent / "demo.yaml", [f"run_dir={run_dir}", *SETTINGS])
-    samples = _humaneval_chats(smollm2_dir, 20, 160)
+    samples = humaneval_samples(smollm2_dir, 20, 160)
     write_data_stage(config, samples[:18], samples[18:], vocab=49152)
     write_vocab_stage(config)
     return run_dir

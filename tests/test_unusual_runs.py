@@ -26,8 +26,8 @@ import yaml
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import read_manifest
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import write_data_stage
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "2 + 2 = 4."}]
 OFF = ["data.regenerate.enabled=false", "data.eval_sources=[]", "data.eval_fraction=0"]
@@ -172,7 +172,7 @@ def test_demo_one_sample_no_eval_runs_through_05_and_06_says_what_to_configure(t
         assert f"0 for job {job}/3" in idle.out and "shards of other jobs still missing" in idle.out
     ok(capture(config, "--shard-index", "0", "--num-shards", "3"))
     reader, layout = open_reader(tmp_path / "a" / "run" / "02_hidden_states")
-    assert layout["aux_layer_ids"] == [2, 15, 29] and list(reader.index) == ["one-0"]
+    assert layout.aux_layer_ids == [2, 15, 29] and list(reader.index) == ["one-0"]
 
     vocab = ok(stage(capsys, "03_build_vocab_map.py", config))
     assert "keeping 4096 of 49152; coverage 100.00%" in vocab.out
@@ -214,7 +214,7 @@ def test_tiny_kimi_fp8_capture_of_a_one_token_sample_trains_and_exports(tmp_path
     ok(capture(config))
     reader, layout = open_reader(tmp_path / "run" / "02_hidden_states")
     aux, final = reader.get("one-token")
-    assert layout["dtype"] == "fp8" and aux.shape == (1, 3, 256) and final.shape == (1, 256)
+    assert layout.dtype == "fp8" and aux.shape == (1, 3, 256) and final.shape == (1, 256)
     assert torch.isfinite(aux.float()).all() and torch.isfinite(final.float()).all()
     ok(stage(capsys, "03_build_vocab_map.py", config))
     trained = ok(stage(capsys, "04_train.py", config))

@@ -10,9 +10,10 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 
 from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.stage_io import read_manifest
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage
 from eagle3_pipeline.vocab import select_draft_vocab
 from tests.conftest import run_python
-from tests.train.fabricate import random_samples, tiny_run_config, tiny_target, write_data_stage
+from tests.train.fabricate import random_samples, tiny_run_config, tiny_target
 
 
 def test_most_frequent_tokens_sorted_by_id_ties_to_the_lower_id():

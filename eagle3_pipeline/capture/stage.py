@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from eagle3_pipeline.capture import store, stream, stream_producer
 from eagle3_pipeline.config import ConfigError, RunConfig
+from eagle3_pipeline.data.dataset import SPLITS, open_split
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
@@ -33,7 +34,6 @@ LAYER_ID_CONVENTION = (
     "vLLM: aux id i is the residual stream entering decoder layer i (hidden_states + residual), equal to "
     "Hugging Face output_hidden_states[i]; `final` is the last decoder layer's output before the final norm"
 )
-SPLITS = ("train", "eval")
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,9 @@ class ShardPlan:
 
 
 def load_samples(data_dir: Path) -> list[Sample]:
-    from datasets import load_from_disk
-
     samples = []
     for split in SPLITS:
-        dataset = load_from_disk(str(data_dir / split)).select_columns(["id", "input_ids", "images"])
+        dataset = open_split(data_dir, split).select_columns(["id", "input_ids", "images"])
         samples += [Sample(row["id"], split, list(row["input_ids"]), tuple(row["images"])) for row in dataset]
     return samples
 
@@ -149,18 +147,16 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
         stage.finish(counts={**shard_counts(stage, plans), "stream": counts}, extra=layout_record(layout))
 
 
-def states_layout(aux_layer_ids: list[int], num_layers: int, hidden_size: int, dtype: str) -> dict:
-    """How 02's states are laid out, as index.json, the manifest and stream.json record it."""
-    return {"aux_layer_ids": list(aux_layer_ids), "final_layer_id": num_layers, "layer_id_convention": LAYER_ID_CONVENTION,
-            "hidden_size": hidden_size, "dtype": dtype}
+def states_layout(aux_layer_ids: list[int], num_layers: int, hidden_size: int, dtype: str) -> store.StatesLayout:
+    return store.StatesLayout(list(aux_layer_ids), num_layers, LAYER_ID_CONVENTION, hidden_size, dtype)
 
 
-def layout_record(layout: dict) -> dict:
+def layout_record(layout: store.StatesLayout) -> dict:
     """The layout and the bytes each token's states take: what 02's manifest and stream.json carry."""
-    return {"layout": layout, "bytes_per_token": store.layout_bytes_per_token(layout)}
+    return {"layout": layout.to_json(), "bytes_per_token": layout.bytes_per_token}
 
 
-def open_stream(stage: Stage, layout: dict) -> None:
+def open_stream(stage: Stage, layout: store.StatesLayout) -> None:
     """stream.json: the eval shards are complete and 04 may start on the stream, in the pack plan of this config."""
     train = stage.config.train
     stage.open_stream({**layout_record(layout), "pack_plan": {"packed_length": train.packed_length, "seed": train.seed}})
@@ -244,13 +240,13 @@ def write_shard_files(stage: Stage, plan: ShardPlan, captured: list[store.Sample
     write_json_atomic(stage.path(plan.file + ".json"), {k: {**asdict(v), "split": splits[k]} for k, v in entries.items()})
 
 
-def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: list[Sample], layout: dict,
+def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: list[Sample], layout: store.StatesLayout,
                  shard_index: int, num_shards: int) -> dict | None:
     """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
     finished (the last one writes the manifest and ends the stream), else None."""
     rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
     packs = PackStream(rows, config.train.packed_length, config.train.seed)
-    per_token = store.layout_bytes_per_token(layout)
+    per_token = layout.bytes_per_token
     producer = stream_producer.Producer(transport, config.capture.stream, shard_index, num_shards,
                                         identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
@@ -262,11 +258,11 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     progress = tqdm(unit="pack", desc="stream capture")
     while positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size):
         batch = [train[i] for p in positions for i in packs.pack(p)]
-        captured = iter(capture_checked(capturer(), batch, len(layout["aux_layer_ids"]), layout["hidden_size"]))
+        captured = iter(capture_checked(capturer(), batch, len(layout.aux_layer_ids), layout.hidden_size))
         for position in positions:
             epoch, _ = packs.locate(position)
             item = stream.PackItem(position, epoch, [next(captured) for _ in packs.pack(position)])
-            producer.put(position, stream.encode_item(item, layout["dtype"]), sum(s.final.shape[0] for s in item.samples))
+            producer.put(position, stream.encode_item(item, layout.dtype), sum(s.final.shape[0] for s in item.samples))
             progress.update()
     progress.close()
     if not producer.finish():
@@ -280,13 +276,13 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     return totals
 
 
-def write_index(stage: Stage, plans: list[ShardPlan], layout: dict) -> None:
+def write_index(stage: Stage, plans: list[ShardPlan], layout: store.StatesLayout) -> None:
     entries, splits = {}, {}
     for plan in plans:
         for sample_id, part in json.loads(stage.path(plan.file + ".json").read_text()).items():
             splits[sample_id] = part.pop("split")
             entries[sample_id] = store.IndexEntry(**part)
-    store.write_index(stage.dir, entries, {**layout, "splits": splits})
+    store.write_index(stage.dir, entries, layout, splits)
 
 
 def shard_counts(stage: Stage, plans: list[ShardPlan]) -> dict:

@@ -13,9 +13,8 @@ others. Shards are written to a temporary name and renamed, then verified before
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -62,9 +61,27 @@ def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
     return vectors * hidden_size * 2
 
 
-def layout_bytes_per_token(layout: dict) -> int:
-    """bytes_per_token of the states a layout (index.json, stream.json) describes."""
-    return bytes_per_token(len(layout["aux_layer_ids"]), layout["hidden_size"], layout["dtype"])
+@dataclass(frozen=True)
+class StatesLayout:
+    """How 02's states are laid out, as index.json, 02's manifest and stream.json record it (in this field order)."""
+
+    aux_layer_ids: list[int]  # the `aux` columns, in order, numbered by `layer_id_convention`
+    final_layer_id: int  # `final`'s id in that numbering: the number of decoder layers
+    layer_id_convention: str
+    hidden_size: int
+    dtype: str  # a STORAGE_DTYPES key
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(len(self.aux_layer_ids), self.hidden_size, self.dtype)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict) -> StatesLayout:
+        """The layout in a record that may hold more (index.json also holds the splits and the samples)."""
+        return cls(**{field.name: record[field.name] for field in fields(cls)})
 
 
 def encode_states(samples: list[SampleStates], dtype: str) -> dict[str, torch.Tensor]:
@@ -153,13 +170,14 @@ class HiddenStatesReader:
         return decode_rows({name: f.get_slice(name) for name in f.keys()}, rows)
 
 
-def write_index(folder: Path, entries: dict[str, IndexEntry], layout: dict[str, Any]) -> None:
-    """`layout` describes the states (aux_layer_ids, convention, hidden_size, dtype); entries locate samples."""
-    write_json_atomic(folder / INDEX, {**layout, "samples": {k: asdict(v) for k, v in entries.items()}})
+def write_index(folder: Path, entries: dict[str, IndexEntry], layout: StatesLayout, splits: dict[str, str]) -> None:
+    """index.json: the layout, each sample's split (train or eval), and where each sample's states are."""
+    write_json_atomic(folder / INDEX, {**layout.to_json(), "splits": splits,
+                                       "samples": {k: asdict(v) for k, v in entries.items()}})
 
 
-def open_reader(folder: Path) -> tuple[HiddenStatesReader, dict[str, Any]]:
-    """A reader over a stage-02 folder and its layout (everything in index.json except the samples)."""
-    layout = json.loads((folder / INDEX).read_text())
-    entries = {k: IndexEntry(**v) for k, v in layout.pop("samples").items()}
-    return HiddenStatesReader(folder, entries), layout
+def open_reader(folder: Path) -> tuple[HiddenStatesReader, StatesLayout]:
+    """A reader over a stage-02 folder and the layout of its states."""
+    index = json.loads((folder / INDEX).read_text())
+    entries = {k: IndexEntry(**v) for k, v in index["samples"].items()}
+    return HiddenStatesReader(folder, entries), StatesLayout.from_json(index)

@@ -4,14 +4,7 @@ Reads the sources in `data.sources` (training) and `data.eval_sources` (held-out
 write what it has to (magpie user turns, regenerated answers) in resumable chunks, applies the target's
 chat template and writes to `<run_dir>/01_data/`:
 
-    train/, eval/            Arrow datasets (save_to_disk): id, source, input_ids int32, loss_mask int8,
-                             seq_len int32, images (the file bytes of the images in the sample, in order:
-                             their placeholders are expanded in input_ids as vLLM expands them, see
-                             vision.py); eval adds prompt_ids (the last turn's prompt, for stage 06)
-    token_freq.safetensors   counts int64 [target vocab]: loss-masked tokens of the train split (stage 03)
-    stats.json               samples per source and split, skips per reason (first ids), length histogram,
-                             loss-token fraction, loss tokens by kind (reasoning, answer, tool_call),
-                             image tokens, generation figures
+    train/, eval/, token_freq.safetensors, stats.json   the dataset, as dataset.py reads and describes it
     generated/               the target's turns, one file per finished chunk (what a rerun resumes from)
 """
 
@@ -26,6 +19,7 @@ from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
+from eagle3_pipeline.data.dataset import STATS, TOKEN_FREQ
 from eagle3_pipeline.data.generate import generate_turns
 from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
@@ -91,12 +85,12 @@ def run(config: RunConfig, force: bool = False) -> None:
 def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]], vocab_size: int,
                    stats: dict[str, Any]) -> None:
     """01's files from its tokenized rows (`samples.to_row`'s form), then its manifest: the one writer of a
-    finished 01_data (the tests' fabricated ones come through here too)."""
+    finished 01_data (stand_ins/fabricated_stages.py's come through here too)."""
     with stage.timed("write"):
         _save_split(stage, "train", train_rows)
         _save_split(stage, "eval", eval_rows)
         _save_token_freq(stage, train_rows, vocab_size)
-        write_json_atomic(stage.path("stats.json"), stats)
+        write_json_atomic(stage.path(STATS), stats)
     stage.finish(counts={
         "train_samples": len(train_rows), "eval_samples": len(eval_rows),
         "train_tokens": stats["train"]["tokens"], "train_loss_tokens": stats["train"]["loss_tokens"],
@@ -163,5 +157,5 @@ def _save_token_freq(stage: Stage, rows: list[dict[str, Any]], vocab_size: int) 
     counts = token_frequencies(rows, vocab_size)
     if len(counts) != vocab_size:
         raise StageError(f"the tokenizer produced token id {len(counts) - 1}, beyond the target's vocab ({vocab_size})")
-    with stage.atomic("token_freq.safetensors") as tmp:
+    with stage.atomic(TOKEN_FREQ) as tmp:
         save_file({"counts": counts}, str(tmp))

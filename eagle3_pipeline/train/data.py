@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.capture.store import open_reader
+from eagle3_pipeline.capture.store import StatesLayout, open_reader
 from eagle3_pipeline.capture.stream import Consumer, decode_item
 from eagle3_pipeline.pack_plan import PackStream
 from eagle3_pipeline.stage_io import StageError
@@ -92,7 +92,7 @@ class StreamedRows(PackedRows):
     eval packs (no position) from 02's shards as offline."""
 
     def __init__(self, dataset, states_dir: Path, capacity: int, aux_width: int, hidden_size: int,
-                 consumer: Consumer, layout: dict):
+                 consumer: Consumer, layout: StatesLayout):
         super().__init__(dataset, states_dir, capacity, aux_width, hidden_size)
         self.consumer, self.layout = consumer, layout
 
@@ -102,8 +102,8 @@ class StreamedRows(PackedRows):
             return
         rows = [self.dataset[index] for index in pack]
         expected = [(row["id"], len(row["input_ids"])) for row in rows]
-        states = decode_item(self.consumer.get(position), position, expected, len(self.layout["aux_layer_ids"]),
-                             self.hidden_size, self.layout["dtype"])
+        states = decode_item(self.consumer.get(position), position, expected, len(self.layout.aux_layer_ids),
+                             self.hidden_size, self.layout.dtype)
         for row, (aux, final) in zip(rows, states):
             yield (torch.tensor(row["input_ids"], dtype=torch.long), aux, final,
                    torch.tensor(row["loss_mask"], dtype=torch.bool))

@@ -24,7 +24,7 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from tqdm import tqdm
 
 from eagle3_pipeline.acceptance import AcceptanceCounts, is_metric_key
-from eagle3_pipeline.capture.store import layout_bytes_per_token, open_reader
+from eagle3_pipeline.capture.store import StatesLayout, open_reader
 from eagle3_pipeline.capture.stream import (
     Consumer,
     StreamTimeout,
@@ -131,7 +131,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
             inputs.consumer.finish(end, packs_per_step, train.max_steps)
         stage.finish(counts=final_counts(eval_values, meter, train), extra={
             "final_checkpoint": f"checkpoints/step_{train.max_steps}",
-            "aux_layer_ids": inputs.layout["aux_layer_ids"],
+            "aux_layer_ids": inputs.layout.aux_layer_ids,
         })
     accelerator.wait_for_everyone()
 
@@ -173,7 +173,7 @@ class Inputs:
     eval_rows: PackedRows | None
     train_stream: PackStream
     eval_packs: list[tuple[int, ...]]
-    layout: dict
+    layout: StatesLayout
     d2t: torch.Tensor
     t2d: torch.Tensor
     consumer: Consumer | None  # capture.mode stream: 04's side of the stream
@@ -182,7 +182,7 @@ class Inputs:
 
     @property
     def num_aux(self) -> int:
-        return len(self.layout["aux_layer_ids"])
+        return len(self.layout.aux_layer_ids)
 
 
 def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
@@ -191,9 +191,9 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
     splits = {name: datasets.load_from_disk(str(data_dir / name))
               for name in ("train", "eval") if (data_dir / name).is_dir()}
     reader, layout = open_reader(states_dir)
-    if layout["hidden_size"] != config.draft.hidden_size:
+    if layout.hidden_size != config.draft.hidden_size:
         raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
-                          f"{layout['hidden_size']} (02_hidden_states): EAGLE-3 needs them equal")
+                          f"{layout.hidden_size} (02_hidden_states): EAGLE-3 needs them equal")
     rows = {name: np.asarray(split["seq_len"], dtype=np.int64) - 1 for name, split in splits.items()}
     consumer = stream_consumer(config, states_dir, layout)
     # streaming, 02's shards hold the eval split only: the train split comes through the stream
@@ -201,8 +201,8 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
                 config.train.packed_length)
     d2t, t2d = load_draft_vocab(stage.input_dir("03_vocab"))
 
-    shape = {"capacity": config.train.packed_length, "hidden_size": layout["hidden_size"],
-             "aux_width": len(layout["aux_layer_ids"]) * layout["hidden_size"]}
+    shape = {"capacity": config.train.packed_length, "hidden_size": layout.hidden_size,
+             "aux_width": len(layout.aux_layer_ids) * layout.hidden_size}
     # eval rows of prompts alone (regeneration off) are 06's to serve; 04 evaluates what has loss tokens
     has_eval = "eval" in splits and any(any(mask) for mask in splits["eval"]["loss_mask"])
     eval_samples = served_samples(splits["eval"]) if has_eval else []
@@ -243,7 +243,7 @@ def wait_for_stream(config: RunConfig) -> None:
             lambda: None, "start 02_generate_hidden_states.py with capture.mode stream")
 
 
-def stream_consumer(config: RunConfig, states_dir: Path, layout: dict) -> Consumer | None:
+def stream_consumer(config: RunConfig, states_dir: Path, layout: StatesLayout) -> Consumer | None:
     """04's side of 02's stream, checked against this run's pack plan; None offline."""
     if config.capture.mode != "stream":
         return None
@@ -253,7 +253,7 @@ def stream_consumer(config: RunConfig, states_dir: Path, layout: dict) -> Consum
         raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
                          "train.seed): rerun 02_generate_hidden_states.py --force with this config")
     identity = stream_identity(states_dir)
-    item_bytes = largest_item_bytes(config, layout_bytes_per_token(layout))
+    item_bytes = largest_item_bytes(config, layout.bytes_per_token)
     return Consumer(open_transport(config, identity, item_bytes), config.capture.stream, identity)
 
 
@@ -304,7 +304,7 @@ def build_model(config: RunConfig, inputs: Inputs, attention: str):
     if verifier.embed_tokens.shape[0] != inputs.t2d.numel():
         raise StageError(f"03_vocab maps a vocabulary of {inputs.t2d.numel()} tokens, the target has "
                          f"{verifier.embed_tokens.shape[0]}: rerun 03_build_vocab_map.py --force")
-    model = build_draft(config.draft, inputs.layout["aux_layer_ids"], inputs.t2d.numel(), attention,
+    model = build_draft(config.draft, inputs.layout.aux_layer_ids, inputs.t2d.numel(), attention,
                         standardize_aux=config.train.standardize_aux)
     load_frozen_and_vocab(model, verifier, inputs.d2t, inputs.t2d, train_lm_head=not config.train.freeze_lm_head)
     return model

@@ -23,6 +23,7 @@ from pathlib import Path
 from eagle3_pipeline.acceptance import metric_key
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.config_sections import ValidateConfig
+from eagle3_pipeline.data.dataset import open_split
 from eagle3_pipeline.export.format import Spec, read_spec, reference_spec, spec_format
 from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
@@ -106,12 +107,10 @@ def expected_spec(config: RunConfig, fmt: str, exported: dict | None) -> Spec:
 def eval_prompts(config: RunConfig, data_dir: Path | None = None) -> list[EvalPrompt]:
     """01's eval split, templated prompts (`prompt_ids`, one per served turn) with their source and images, the
     first `validate.max_prompts`."""
-    from datasets import load_from_disk
-
     data_dir = data_dir or Path(config.run_dir) / "01_data"
     if read_manifest(data_dir) is None or not (data_dir / "eval").is_dir():
         raise StageError(f"{data_dir} holds no finished eval split: rerun 01_prepare_data.py")
-    split = load_from_disk(str(data_dir / "eval"))
+    split = open_split(data_dir, "eval")
     if "prompt_ids" not in split.column_names or len(split) == 0:
         raise StageError(f"01_data has no eval prompts ({data_dir}/eval), and 06 measures acceptance on them: set "
                          "data.eval_sources or data.eval_fraction, then rerun the stages from 01_prepare_data.py --force")

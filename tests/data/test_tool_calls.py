@@ -9,6 +9,7 @@ import pytest
 from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate, load_tokenizer
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, to_messages, to_tools
+from eagle3_pipeline.data.dataset import read_stats
 from eagle3_pipeline.data.generate import Rewrite
 from eagle3_pipeline.data.samples import to_row
 from eagle3_pipeline.data.stats import loss_kinds_summary, split_stats
@@ -228,7 +229,7 @@ def test_stage_01_reports_what_the_draft_learns_from_agentic_data(tmp_path, caps
         f"run_dir={tmp_path / 'run'}", f"data.sources=[{{kind: file, name: {records}}}]", "data.eval_sources=[]",
         "data.eval_fraction=0.0", "data.regenerate.enabled=false", "data.max_seq_len=1024"])
     prepare_data.run(config)
-    stats = json.loads((tmp_path / "run" / "01_data" / "stats.json").read_text())
+    stats = read_stats(tmp_path / "run" / "01_data")
     assert stats["skipped"] == {"unreadable_image": {"count": 1, "first_ids": ["agentic-2"]}}
     train = stats["train"]
     assert train["samples"] == 2 and train["image_tokens"] == 0

@@ -20,7 +20,8 @@ import pytest
 
 from eagle3_pipeline.data.chat_template import load_tokenizer
 from eagle3_pipeline.stand_ins import ensure_stand_in
-from eagle3_pipeline.stand_ins.tiny_kimi import ASSETS, build
+from eagle3_pipeline.stand_ins.tiny_kimi import build
+from eagle3_pipeline.stand_ins.tiny_kimi_tokenizer import ASSETS
 from tests.stand_ins.greedy import assert_same_greedy_tokens, vllm_chat_greedy
 
 # Kimi-K2 / K2.5 token ids, from moonshotai's tokenizer_config.json (added_tokens_decoder).

@@ -15,15 +15,10 @@ from safetensors.torch import load_file
 from eagle3_pipeline import vocab
 from eagle3_pipeline.config import load_config, parse_config
 from eagle3_pipeline.stage_io import StageError, read_manifest
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import (
-    SMOLLM2_AUX_LAYER_IDS,
-    smollm2_humaneval_inputs,
-    tiny_run,
-    write_data_stage,
-    write_states_stage,
-)
+from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, smollm2_humaneval_inputs, tiny_run
 
 LEARNED = ("loss_0", "acc_0", "loss_1", "acc_1", "loss_2", "acc_2")
 

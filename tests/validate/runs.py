@@ -18,9 +18,10 @@ from eagle3_pipeline.capture.store import SampleStates
 from eagle3_pipeline.config import RunConfig, parse_config
 from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, file_sha256, fingerprint
 from eagle3_pipeline.stand_ins import cache_dir
+from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import tiny_run, write_data_stage, write_states_stage, write_vocab_stage
+from tests.train.fabricate import tiny_run, write_vocab_stage
 
 
 def trained_tiny_run(tmp_path: Path) -> tuple[RunConfig, Path]:
