@@ -9,17 +9,16 @@ import json
 
 import pytest
 
-from eagle3_pipeline.config import DataConfig
+from eagle3_pipeline.config_sections import DataConfig
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, to_messages, to_tools
 from eagle3_pipeline.data.samples import to_row
-from tests.data.test_tool_calls import (  # noqa: F401 - kimi is a fixture
+from tests.data.test_tool_calls import (
     ARGUMENTS,
     FINAL,
     OPENAI_RECORD,
     QUESTION,
     TIME_RESULT,
     WEATHER_RESULT,
-    kimi,
     kimi_call,
 )
 

@@ -58,11 +58,6 @@ def kimi_call(call_id: str) -> str:
             "<|tool_call_end|><|tool_calls_section_end|>")
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["thinking", "instant"])
-def kimi(request, tiny_kimi_dir) -> ChatTemplate:
-    return ChatTemplate(load_tokenizer(tiny_kimi_dir, trust_remote_code=False), {"thinking": request.param})
-
-
 def read(record: dict) -> Conversation:
     return Conversation("agentic-0", "agentic", to_messages(record, "auto"), tools=to_tools(record))
 
