@@ -33,7 +33,7 @@ dense models on 0.26, for every model from 0.29).
   `input_ids`); Model Runner V2 builds a per-step `InputBatch` in `prepare_inputs` (`req_ids`,
   `query_start_loc_np`, `input_ids`), which the hook keeps for the forward that follows.
   `check_runner_support` checks both before any engine starts; `tests/patches/test_vllm016_source.py` checks
-  vLLM 0.16.0's source and `tests/patches/test_capture_worker.py` runs it on the installed vLLM.
+  vLLM 0.16.0's source and `tests/capture/test_worker.py` runs it on the installed vLLM.
 """
 
 from __future__ import annotations

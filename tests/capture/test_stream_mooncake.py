@@ -21,7 +21,7 @@ from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings, running_master
-from tests.test_stream import streamed_tiny_run
+from tests.capture.test_stream import streamed_tiny_run
 from tests.train.fabricate import tiny_run
 from tests.train.test_train_stage import LEARNED, records, torchrun_04
 
