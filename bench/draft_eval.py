@@ -31,12 +31,12 @@ from transformers import DynamicCache
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.data.dataset import open_split
-from eagle3_pipeline.pack_plan import plan_packs
+from eagle3_pipeline.pack_plan import plan_packs, training_rows
 from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.data import PackedRows
 from eagle3_pipeline.train.draft_model import VerifierTargets
-from eagle3_pipeline.train.loop import served_samples
+from eagle3_pipeline.train.inputs import served_samples
 
 
 def load_draft(folder: Path, weight_prefix: str = ""):
@@ -63,7 +63,7 @@ class EvalRows:
     def __init__(self, run_dir: Path, packed_length: int):
         split = open_split(run_dir / "01_data", "eval")
         states = run_dir / "02_hidden_states"
-        rows_per_sample = np.asarray(split["seq_len"], dtype=np.int64) - 1
+        rows_per_sample = training_rows(np.asarray(split["seq_len"], dtype=np.int64))
         self.rows = PackedRows(split, states, packed_length, aux_width=0, hidden_size=0)
         self.packs = plan_packs(rows_per_sample, packed_length, seed=[0])
         self.samples = served_samples(split)  # source, seq_len, prompt_len per eval row

@@ -160,17 +160,14 @@ def link_shared(run_dir: Path, shared: Path) -> None:
 # ----------------------------------------------------------------------------------------- token budgets
 def our_token_budget(config) -> int:
     """Rows (tokens after the one-token shift) our 04 trains on: its own pack stream, max_steps global batches."""
-    import numpy as np
-
     from eagle3_pipeline.data.dataset import open_split
-    from eagle3_pipeline.pack_plan import PackStream
+    from eagle3_pipeline.pack_plan import run_pack_stream
 
     train = config.train
     split = open_split(Path(config.run_dir) / "01_data", "train")
-    rows = np.asarray(split["seq_len"], dtype=np.int64) - 1
-    stream = PackStream(rows, train.packed_length, train.seed)
+    stream = run_pack_stream(config, split["seq_len"])
     packs = train.max_steps * train.micro_batch_size * train.grad_accumulation  # one process
-    return int(sum(rows[list(stream.pack(p))].sum() for p in range(packs)))
+    return int(sum(stream.rows_per_sample[list(stream.pack(p))].sum() for p in range(packs)))
 
 
 def matched_steps(batch_rows: list[int], budget: int) -> tuple[int, int]:

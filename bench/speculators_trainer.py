@@ -98,6 +98,8 @@ def train_batches(data_dir: Path, total_seq_len: int, train_data_ratio: float, s
     import datasets
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
+    from eagle3_pipeline.pack_plan import training_rows
+
     lengths = list(datasets.load_from_disk(str(data_dir)).with_format(None)["seq_len"])
     lengths = lengths[: int(len(lengths) * train_data_ratio)]
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=lengths, num_replicas=1,
@@ -105,7 +107,7 @@ def train_batches(data_dir: Path, total_seq_len: int, train_data_ratio: float, s
     rows = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        rows += [sum(min(lengths[i], total_seq_len) - 1 for i in batch) for batch in sampler]
+        rows += [sum(training_rows(min(lengths[i], total_seq_len)) for i in batch) for batch in sampler]
     return rows
 
 

@@ -379,6 +379,7 @@ def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
     """Finished 01_data, 02_hidden_states (random bf16 states) and 03_vocab (the real stage) under `config`."""
     from eagle3_pipeline import vocab
     from eagle3_pipeline.capture.store import SampleStates
+    from eagle3_pipeline.pack_plan import training_rows
     from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 
     rng = np.random.default_rng(0)
@@ -405,7 +406,7 @@ def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
     write_states_stage(config, states, shape["aux_layer_ids"])
     vocab.run(config)
 
-    rows = sum(len(s["input_ids"]) - 1 for s in samples["train"])
+    rows = sum(training_rows(len(s["input_ids"])) for s in samples["train"])
     return {"train_samples": len(samples["train"]), "eval_samples": len(samples["eval"]), "train_rows": rows,
             "states_gib": round(sum(len(s["input_ids"]) for s in every) * (num_aux + 1) * hidden * 2 / 2**30, 2)}
 

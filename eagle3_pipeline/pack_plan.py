@@ -2,14 +2,34 @@
 
 A pack concatenates whole samples (first fit, in a seeded random order). The plan depends only on 01's sample
 lengths, `train.packed_length` and `train.seed`, so 02 knows it before any state exists (stream mode
-captures in this order) and 04 trains in it (train/data.py turns packs into rows).
+captures in this order) and 04 trains in it (train/data.py turns packs into rows). `run_pack_stream` builds
+a run's plan; 02 records `plan_settings` with its stream and 04 checks them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from eagle3_pipeline.config import RunConfig
+
 FIRST_FIT_WINDOW = 32  # a sample joins the first of the last 32 packs with room: bounded cost, little padding
+
+
+def training_rows(seq_len):
+    """The training rows of a sample of `seq_len` tokens (an int or an array of them): row t pairs token t's
+    states with token t+1 (train/data.py), so the last token starts no row."""
+    return seq_len - 1
+
+
+def plan_settings(config: RunConfig) -> dict:
+    """What a run's pack plan depends on besides 01's sample lengths."""
+    return {"packed_length": config.train.packed_length, "seed": config.train.seed}
+
+
+def run_pack_stream(config: RunConfig, seq_lens) -> PackStream:
+    """The run's pack stream over the train split's samples of `seq_lens` tokens (01_data's `seq_len`)."""
+    return PackStream(training_rows(np.asarray(seq_lens, dtype=np.int64)), config.train.packed_length,
+                      config.train.seed)
 
 
 def plan_packs(rows_per_sample: np.ndarray, capacity: int, seed: list[int]) -> list[tuple[int, ...]]:

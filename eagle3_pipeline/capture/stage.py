@@ -20,13 +20,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from eagle3_pipeline.capture import store, stream, stream_producer
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.data.dataset import SPLITS, open_split
-from eagle3_pipeline.pack_plan import PackStream
+from eagle3_pipeline.pack_plan import plan_settings, run_pack_stream
 from eagle3_pipeline.stage_io import Stage, StageError, stream_identity, write_json_atomic
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
@@ -158,8 +157,7 @@ def layout_record(layout: store.StatesLayout) -> dict:
 
 def open_stream(stage: Stage, layout: store.StatesLayout) -> None:
     """stream.json: the eval shards are complete and 04 may start on the stream, in the pack plan of this config."""
-    train = stage.config.train
-    stage.open_stream({**layout_record(layout), "pack_plan": {"packed_length": train.packed_length, "seed": train.seed}})
+    stage.open_stream({**layout_record(layout), "pack_plan": plan_settings(stage.config)})
 
 
 def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
@@ -244,8 +242,7 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
                  shard_index: int, num_shards: int) -> dict | None:
     """Capture 04's packs in its order until 04 has finished; the stream's counts once every job has
     finished (the last one writes the manifest and ends the stream), else None."""
-    rows = np.asarray([len(s.input_ids) - 1 for s in train], dtype=np.int64)
-    packs = PackStream(rows, config.train.packed_length, config.train.seed)
+    packs = run_pack_stream(config, [len(s.input_ids) for s in train])
     per_token = layout.bytes_per_token
     producer = stream_producer.Producer(transport, config.capture.stream, shard_index, num_shards,
                                         identity=lambda: stream_identity(stage.dir))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.acceptance import is_metric_key, metric_key, overall_ks
+from eagle3_pipeline.acceptance import metric_key, overall_ks
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.draft_spec import stored_tensors
 from eagle3_pipeline.export.format import (
@@ -40,6 +40,7 @@ from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_jso
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs
 from eagle3_pipeline.train.draft_model import build_draft
+from eagle3_pipeline.train.metrics import eval_summary
 
 
 def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -> None:
@@ -124,16 +125,10 @@ def load_checkpoint_state(step_dir: Path, reference: dict) -> dict[str, torch.Te
 
 
 def eval_metrics(train_dir: Path, step: int) -> dict | None:
-    """Per TTT step eval accuracy and loss recorded at `step` (04's metrics.jsonl), or None."""
+    """04's eval summary (train/metrics.py) of its eval record at `step` (metrics.jsonl), or None."""
     records = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     at_step = [r for r in records if r["split"] == "eval" and r["step"] == step]
-    if not at_step:
-        return None
-    record = at_step[-1]
-    steps = range(sum(1 for key in record if key.startswith("acc_")))
-    return {"step": step, "eval_accuracy": [round(record[f"acc_{k}"], 6) for k in steps],
-            "eval_loss": [round(record[f"loss_{k}"], 6) for k in steps],
-            "simulated_acceptance": {key: round(value, 6) for key, value in record.items() if is_metric_key(key)}}
+    return {"step": step, **eval_summary(at_step[-1])} if at_step else None
 
 
 def parameter_count(state: dict[str, torch.Tensor]) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.pack_plan import training_rows
 
 
 def leading_matches(proposals: torch.Tensor, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def served_turns(samples: list[dict]) -> list[ServedTurn]:
         if is_served(sample):
             turns.append(ServedTurn(sample["source"], offset + sample["prompt_len"] - 1,
                                     sample["seq_len"] - sample["prompt_len"]))
-        offset += sample["seq_len"] - 1
+        offset += training_rows(sample["seq_len"])
     return turns
 
 

@@ -20,7 +20,7 @@ import torch
 
 from eagle3_pipeline.capture.store import StatesLayout, open_reader
 from eagle3_pipeline.capture.stream import Consumer, decode_item
-from eagle3_pipeline.pack_plan import PackStream
+from eagle3_pipeline.pack_plan import PackStream, training_rows
 from eagle3_pipeline.stage_io import StageError
 
 
@@ -63,12 +63,12 @@ class PackedRows(torch.utils.data.Dataset):
         rows = _empty_rows(self.capacity, self.aux_width, self.hidden_size)
         offset = 0
         for document, (ids, aux, final, mask) in enumerate(self.samples(position, pack)):
-            span = slice(offset, offset + len(ids) - 1)
+            span = slice(offset, offset + training_rows(len(ids)))
             rows["input_ids"][span] = ids[1:]
             rows["aux"][span] = aux[:-1].flatten(1)
             rows["final"][span] = final[1:]
             rows["loss_mask"][span] = mask[1:]
-            rows["position_ids"][span] = torch.arange(len(ids) - 1)
+            rows["position_ids"][span] = torch.arange(training_rows(len(ids)))
             rows["document_ids"][span] = document
             offset = span.stop
         return rows

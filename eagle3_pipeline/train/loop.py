@@ -1,8 +1,8 @@
 """Stage 04: train the draft on the captured hidden states with training-time test; `run` reads top to bottom.
 
 Reads 01_data (token ids, loss masks), 02_hidden_states (aux and final states; with capture.mode stream, the
-train split's come through 02's stream while 02 runs: stream.py), 03_vocab (d2t, t2d) and three tensors of the
-target checkpoint (verifier.py). Writes 04_train/: checkpoints/step_N/ (checkpoint.py),
+train split's come through 02's stream while 02 runs: stream.py), 03_vocab (d2t, t2d) (all three: inputs.py)
+and three tensors of the target checkpoint (verifier.py). Writes 04_train/: checkpoints/step_N/ (checkpoint.py),
 metrics.jsonl, tensorboard/, curves.png (metrics.py), and manifest.json, whose counts hold the final eval
 accuracy per TTT step (`eval_accuracy`, a list; stage 06 compares vLLM's acceptance with its first entry).
 
@@ -11,43 +11,28 @@ One process per device under `accelerate launch` (or torchrun on CPU); every pro
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import datasets
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, set_seed
 from tqdm import tqdm
 
-from eagle3_pipeline.acceptance import AcceptanceCounts, is_metric_key
-from eagle3_pipeline.capture.store import StatesLayout, open_reader
-from eagle3_pipeline.capture.stream import (
-    Consumer,
-    StreamTimeout,
-    Waiter,
-    fetch_folder,
-    largest_item_bytes,
-    open_transport,
-    shares_folder,
-)
+from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.capture.stream import StreamTimeout
 from eagle3_pipeline.config import ConfigError, RunConfig
-from eagle3_pipeline.pack_plan import PackStream, plan_packs
-from eagle3_pipeline.stage_io import Stage, StageError, read_proof, stream_identity
+from eagle3_pipeline.stage_io import Stage, StageError
 from eagle3_pipeline.target import target_path
 from eagle3_pipeline.train.acceptance import chain_metrics, is_served, replay_batch, target_proposals
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
-from eagle3_pipeline.train.data import PackedRows, RankPacks, StreamedRows, rank_share
+from eagle3_pipeline.train.data import PackedRows, RankPacks, rank_share
 from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab, standardize_aux
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
-from eagle3_pipeline.train.metrics import MetricsLog, summarize
+from eagle3_pipeline.train.inputs import Inputs, read_inputs, wait_for_stream
+from eagle3_pipeline.train.metrics import MetricsLog, eval_summary, summarize
 from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
 from eagle3_pipeline.train.verifier import load_verifier_weights
-from eagle3_pipeline.vocab import load_draft_vocab
 
 
 def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_step: int | None = None) -> None:
@@ -167,137 +152,6 @@ def resolve_attention_or_fail(choice: str, device: torch.device) -> str:
     return resolve_attention(choice, device)
 
 
-@dataclass
-class Inputs:
-    train_rows: PackedRows
-    eval_rows: PackedRows | None
-    train_stream: PackStream
-    eval_packs: list[tuple[int, ...]]
-    layout: StatesLayout
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-    consumer: Consumer | None  # capture.mode stream: 04's side of the stream
-    eval_samples: list[dict]  # per eval row: source, seq_len, prompt_len (the served turn, acceptance.py)
-    simulated_ks: list[int]  # validate.num_speculative_tokens, or [] when the eval answers are not greedy ones
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.layout.aux_layer_ids)
-
-
-def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
-    """Open 01, 02 and 03 and check that they fit together and the config."""
-    data_dir, states_dir = stage.input_dir("01_data"), stage.input_dir("02_hidden_states")
-    splits = {name: datasets.load_from_disk(str(data_dir / name))
-              for name in ("train", "eval") if (data_dir / name).is_dir()}
-    reader, layout = open_reader(states_dir)
-    if layout.hidden_size != config.draft.hidden_size:
-        raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
-                          f"{layout.hidden_size} (02_hidden_states): EAGLE-3 needs them equal")
-    rows = {name: np.asarray(split["seq_len"], dtype=np.int64) - 1 for name, split in splits.items()}
-    consumer = stream_consumer(config, states_dir, layout)
-    # streaming, 02's shards hold the eval split only: the train split comes through the stream
-    _check_fits({k: v for k, v in splits.items() if not consumer or k == "eval"}, rows, reader,
-                config.train.packed_length)
-    d2t, t2d = load_draft_vocab(stage.input_dir("03_vocab"))
-
-    shape = {"capacity": config.train.packed_length, "hidden_size": layout.hidden_size,
-             "aux_width": len(layout.aux_layer_ids) * layout.hidden_size}
-    # eval rows of prompts alone (regeneration off) are 06's to serve; 04 evaluates what has loss tokens
-    has_eval = "eval" in splits and any(any(mask) for mask in splits["eval"]["loss_mask"])
-    eval_samples = served_samples(splits["eval"]) if has_eval else []
-    return Inputs(
-        train_rows=StreamedRows(splits["train"], states_dir, **shape, consumer=consumer, layout=layout) if consumer
-        else PackedRows(splits["train"], states_dir, **shape),
-        eval_rows=PackedRows(splits["eval"], states_dir, **shape) if has_eval else None,
-        train_stream=PackStream(rows["train"], config.train.packed_length, config.train.seed),
-        eval_packs=plan_packs(rows["eval"], config.train.packed_length, seed=[config.train.seed]) if has_eval else [],
-        layout=layout, d2t=d2t, t2d=t2d, consumer=consumer, eval_samples=eval_samples,
-        simulated_ks=config.validate_.num_speculative_tokens if eval_samples and greedy_answers(config) else [],
-    )
-
-
-def greedy_answers(config: RunConfig) -> bool:
-    """Whether the eval answers are the target's greedy continuations (what acceptance.py replays)."""
-    return config.data.regenerate.enabled and config.data.regenerate.eval_temperature == 0
-
-
-def served_samples(split) -> list[dict]:
-    """Per eval row what acceptance.py needs; an older 01 without `prompt_ids` gives none (no simulation)."""
-    if "prompt_ids" not in split.column_names:
-        return []
-    return [{"source": source, "seq_len": seq_len, "prompt_len": len(prompt)}
-            for source, seq_len, prompt in zip(split["source"], split["seq_len"], split["prompt_ids"])]
-
-
-# ----------------------------------------------------------------------------------------------- stream
-def wait_for_stream(config: RunConfig) -> None:
-    """Before the input checks: 02 opens its stream (stream.json) once its eval states are written."""
-    states_dir = Path(config.run_dir) / "02_hidden_states"
-    if read_proof(states_dir) is None and not shares_folder(config) and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        fetch_folder(config, states_dir, "04_train")  # one process per node fetches; the others wait for it below
-    if read_proof(states_dir) is None:
-        print(f"04_train: waiting for 02_generate_hidden_states.py to open its stream in {states_dir}", flush=True)
-        Waiter(config.capture.stream, "04_train").wait(
-            lambda: read_proof(states_dir), lambda: "02_hidden_states has not opened its stream yet",
-            lambda: None, "start 02_generate_hidden_states.py with capture.mode stream")
-
-
-def stream_consumer(config: RunConfig, states_dir: Path, layout: StatesLayout) -> Consumer | None:
-    """04's side of 02's stream, checked against this run's pack plan; None offline."""
-    if config.capture.mode != "stream":
-        return None
-    plan = (read_proof(states_dir) or {}).get("pack_plan")
-    wanted = {"packed_length": config.train.packed_length, "seed": config.train.seed}
-    if plan != wanted:
-        raise StageError(f"02_hidden_states streams packs for {plan}, this run packs {wanted} (train.packed_length, "
-                         "train.seed): rerun 02_generate_hidden_states.py --force with this config")
-    identity = stream_identity(states_dir)
-    item_bytes = largest_item_bytes(config, layout.bytes_per_token)
-    return Consumer(open_transport(config, identity, item_bytes), config.capture.stream, identity)
-
-
-def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:
-    """The packs of a step's global batch as (position, epoch, sample ids), for metrics.jsonl."""
-    record = []
-    for position in range((step - 1) * packs_per_step, step * packs_per_step):
-        epoch, _ = inputs.train_stream.locate(position)
-        ids = list(inputs.train_rows.dataset.select(inputs.train_stream.pack(position))["id"])
-        record.append({"position": position, "epoch": epoch, "samples": ids})
-    return record
-
-
-def stopped_stream(err: StageError, stage: Stage, done_step: int, start_step: int, model, optimizer, scheduler,
-                   accelerator, packs_per_step: int, train) -> StageError:
-    """A data error (a corrupt stream item, the stream timed out), as one line; a timed-out stream leaves a
-    checkpoint of the last step done, so `--resume` loses nothing."""
-    message = str(err).strip().splitlines()[-1]  # a data loader worker wraps it in its traceback
-    message = message.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
-    if isinstance(err, StreamTimeout):
-        if done_step > start_step:
-            checkpoint(stage, done_step, model, optimizer, scheduler, accelerator, packs_per_step, train)
-        message += f" (checkpoint: step {done_step})"
-    return StageError(message)
-
-
-def checkpoint(stage: Stage, step: int, model, optimizer, scheduler, accelerator, packs_per_step: int, train) -> None:
-    save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator, packs_per_step,
-                    train.keep_checkpoints, split={"processes": accelerator.num_processes,
-                                                   "micro_batch_size": train.micro_batch_size,
-                                                   "grad_accumulation": train.grad_accumulation})
-
-
-def _check_fits(splits: dict, rows: dict, reader, packed_length: int) -> None:
-    longest = max(int(r.max(initial=0)) for r in rows.values())
-    if longest > packed_length:
-        raise ConfigError(f"train.packed_length {packed_length} is shorter than the longest sample "
-                          f"({longest} rows = seq_len - 1): raise it or lower data.max_seq_len")
-    missing = [i for split in splits.values() for i in split["id"] if i not in reader]
-    if missing:
-        raise StageError(f"02_hidden_states lacks {len(missing)} samples of 01_data (e.g. {missing[0]}): "
-                         "finish 02_generate_hidden_states.py")
-
-
 def build_model(config: RunConfig, inputs: Inputs, attention: str):
     """The draft, with the target's three tensors read into it (and not kept beyond)."""
     verifier = load_verifier_weights(target_path(config.target), config.target.weight_prefix)
@@ -367,6 +221,37 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
     print(f"04_train: draft {trainable / 1e6:.1f} M trainable + {frozen / 1e6:.1f} M frozen parameters, "
           f"{per_token / 1e9:.2f} GFLOP per token at {train.ttt_steps} TTT steps (+ attention), "
           f"precision {train.mixed_precision}")
+
+
+# ------------------------------------------------------------------------------------------- during the loop
+def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:
+    """The packs of a step's global batch as (position, epoch, sample ids), for metrics.jsonl."""
+    record = []
+    for position in range((step - 1) * packs_per_step, step * packs_per_step):
+        epoch, _ = inputs.train_stream.locate(position)
+        ids = list(inputs.train_rows.dataset.select(inputs.train_stream.pack(position))["id"])
+        record.append({"position": position, "epoch": epoch, "samples": ids})
+    return record
+
+
+def stopped_stream(err: StageError, stage: Stage, done_step: int, start_step: int, model, optimizer, scheduler,
+                   accelerator, packs_per_step: int, train) -> StageError:
+    """A data error (a corrupt stream item, the stream timed out), as one line; a timed-out stream leaves a
+    checkpoint of the last step done, so `--resume` loses nothing."""
+    message = str(err).strip().splitlines()[-1]  # a data loader worker wraps it in its traceback
+    message = message.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
+    if isinstance(err, StreamTimeout):
+        if done_step > start_step:
+            checkpoint(stage, done_step, model, optimizer, scheduler, accelerator, packs_per_step, train)
+        message += f" (checkpoint: step {done_step})"
+    return StageError(message)
+
+
+def checkpoint(stage: Stage, step: int, model, optimizer, scheduler, accelerator, packs_per_step: int, train) -> None:
+    save_checkpoint(stage.path("checkpoints"), step, model, optimizer, scheduler, accelerator, packs_per_step,
+                    train.keep_checkpoints, split={"processes": accelerator.num_processes,
+                                                   "micro_batch_size": train.micro_batch_size,
+                                                   "grad_accumulation": train.grad_accumulation})
 
 
 # ----------------------------------------------------------------------------------------- measurement
@@ -447,13 +332,4 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
 
 
 def final_counts(eval_values: dict | None, meter: Throughput, train) -> dict:
-    steps = range(train.ttt_steps)
-    simulated = {key: round(value, 6) for key, value in (eval_values or {}).items() if is_metric_key(key)}
-    return {
-        "steps": train.max_steps,
-        "train_tokens_this_launch": meter.total_tokens,
-        "eval_accuracy": [round(eval_values[f"acc_{k}"], 6) for k in steps] if eval_values else None,
-        "eval_loss": [round(eval_values[f"loss_{k}"], 6) for k in steps] if eval_values else None,
-        # acceptance.py: greedy chain drafting replayed on the eval split (null: its answers are not greedy ones)
-        "simulated_acceptance": simulated or None,
-    }
+    return {"steps": train.max_steps, "train_tokens_this_launch": meter.total_tokens, **eval_summary(eval_values)}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_pipeline.acceptance import metric_key, overall_ks
+from eagle3_pipeline.acceptance import is_metric_key, metric_key, overall_ks
 from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
 
@@ -35,6 +35,18 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
         values[f"loss_{step}"] = float(kl_sum[step] / count[step])
         values[f"acc_{step}"] = float(correct[step] / count[step])
     return values
+
+
+def eval_summary(values: dict | None) -> dict:
+    """An eval point's figures as 04's manifest and 05's model card record them, rounded: accuracy and loss per
+    TTT step, and the simulated acceptance (acceptance.py's keys; None when the eval answers are not greedy
+    ones, so nothing was simulated). Each None without an eval."""
+    if not values:
+        return dict.fromkeys(("eval_accuracy", "eval_loss", "simulated_acceptance"))
+    steps = range(sum(1 for key in values if key.startswith("acc_")))
+    simulated = {key: round(value, 6) for key, value in values.items() if is_metric_key(key)}
+    return {"eval_accuracy": [round(values[f"acc_{k}"], 6) for k in steps],
+            "eval_loss": [round(values[f"loss_{k}"], 6) for k in steps], "simulated_acceptance": simulated or None}
 
 
 class MetricsLog:

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import datasets
-import numpy as np
 import pytest
 import torch
 
@@ -29,7 +28,7 @@ from eagle3_pipeline.capture.stream import (
 from eagle3_pipeline.capture.stream_producer import Producer
 from eagle3_pipeline.config import RunConfig, apply_overrides, load_config, parse_config
 from eagle3_pipeline.config_sections import StreamConfig
-from eagle3_pipeline.pack_plan import PackStream
+from eagle3_pipeline.pack_plan import run_pack_stream
 from eagle3_pipeline.stage_io import StageError, read_manifest, stream_identity
 from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
@@ -161,8 +160,7 @@ def streamed_tiny_run(tmp_path: Path, name: str, through: list[str] = (), **trai
     write_vocab_stage(config)
     write_states_stage(config, all_states, TINY["aux_layer_ids"])  # stream mode: eval shards, stream opened
 
-    rows = np.asarray([len(s["input_ids"]) - 1 for s in train_samples])
-    packs = PackStream(rows, config.train.packed_length, config.train.seed)
+    packs = run_pack_stream(config, [len(s["input_ids"]) for s in train_samples])
 
     def item(position: int) -> bytes:
         epoch, _ = packs.locate(position)

@@ -22,9 +22,9 @@ import pytest
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import read_manifest
 from eagle3_pipeline.stand_ins.fabricated_stages import humaneval_samples, write_data_stage
+from tests.capture.test_stream_mooncake import MASTER_GONE_WITHIN_S
 from tests.conftest import CONFIGS, ROOT
 from tests.mooncake_master import mooncake_settings, running_master
-from tests.capture.test_stream_mooncake import MASTER_GONE_WITHIN_S
 from tests.train.fabricate import write_vocab_stage
 
 pytestmark = pytest.mark.vllm

@@ -19,9 +19,9 @@ from eagle3_pipeline.capture.stream_producer import Producer
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.train import loop
+from tests.capture.test_stream import streamed_tiny_run
 from tests.conftest import CONFIGS
 from tests.mooncake_master import mooncake_settings, running_master
-from tests.capture.test_stream import streamed_tiny_run
 from tests.train.fabricate import tiny_run
 from tests.train.test_train_stage import LEARNED, records, torchrun_04
 
