@@ -106,7 +106,7 @@ def test_an_item_of_other_samples_or_shapes_is_refused():
 
 def test_a_capture_job_never_holds_more_than_its_share(tmp_path, through):
     """Two jobs share a window of 10 items' bytes; 04 consumes slowly; every put keeps each job in its half."""
-    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [
+    config = load_config(CONFIGS / "demo.yaml", [
         f"run_dir={tmp_path}", "capture.stream.poll_s=0.01", "capture.stream.wait_timeout_s=20", *through])
     item = encode_item(PackItem(0, 0, states(1)), "bfloat16")
     window = 10 * len(item)
@@ -219,7 +219,7 @@ def test_a_corrupt_item_stops_training_before_its_step(tmp_path):
 
 
 def test_a_capture_job_ignores_the_record_of_another_run_in_a_reused_folder(tmp_path):
-    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}"])
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}"])
     transport = open_transport(config)
     transport.write_record(CONSUMER, {"next": 50, "end": 60, "finished": True, "time": 0, "stream": "old-run"})
     producer = Producer(transport, config.capture.stream, 0, 1, identity=lambda: "this-run")
@@ -231,7 +231,7 @@ def test_a_capture_job_ignores_the_record_of_another_run_in_a_reused_folder(tmp_
 def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(tmp_path, through):
     """04 resumed at position 4 while the job's share is full with positions 6 and 7: the job makes room by
     deleting its latest items, so 4 and 5 come first (a job waiting for room here would wait forever)."""
-    config = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run_dir={tmp_path}", *through])
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}", *through])
     transport = open_transport(config, "run", 1 << 10, lend_bytes=1 << 20)
     settings = config.capture.stream.model_copy(update={"window_gb": 200 / 1e9})  # room for two 100-byte items
     producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
