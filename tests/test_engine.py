@@ -71,3 +71,14 @@ def test_an_engines_environment_is_set_while_it_starts_and_restored_after(monkey
     assert seen == [{"VLLM_MLA_DISABLE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
                     {"VLLM_MLA_DISABLE": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}]
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_cpu_engine_runs_an_fp32_mla_target_on_the_reference_mla_backend(monkeypatch, tmp_path):
+    """vLLM CPU's AMX MLA backend packs bf16/fp16/int8 weights only: an fp32 MLA target asks for CPU_MLA."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 16}}))
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    fp32, bf16 = (TargetConfig(path=str(tmp_path), engine={"dtype": dtype}) for dtype in ("float32", "bfloat16"))
+    assert engine.engine_settings(fp32, tmp_path)[0]["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in engine.engine_settings(bf16, tmp_path)[0]
+    # with a draft the target's MLA is off (VLLM_MLA_DISABLE): no MLA backend to choose
+    assert "attention_backend" not in engine.engine_settings(fp32, tmp_path, speculative_config=EAGLE3)[0]
