@@ -107,7 +107,7 @@ def test_regeneration_draft_is_a_folder_checked_at_load(tmp_path):
     speculative = load_config(CONFIGS / "demo.yaml", [f"data.regenerate.speculative={{draft: {tmp_path / 'draft'}}}"]
                               ).data.regenerate.speculative
     assert speculative.draft == str(tmp_path / "draft") and speculative.num_speculative_tokens == 3
-    for value, message in [(tmp_path / "absent", r"data\.regenerate\.speculative: draft: .*absent is not a draft folder"),
+    for value, message in [(tmp_path / "absent", r"data\.regenerate\.speculative: draft: .*absent is not a draft"),
                            (tmp_path, r"data\.regenerate\.speculative: draft: .* is not a draft folder \(no config")]:
         with pytest.raises(ConfigError, match=message) as raised:
             load_config(CONFIGS / "demo.yaml", [f"data.regenerate.speculative={{draft: {value}}}"])
