@@ -1,9 +1,9 @@
-"""Stages 04 and 06 (and the benches): one acceptance type, and the one place its metric keys are made.
+"""Stages 01, 04 and 06 (and the benches): one acceptance type, and the one place its metric keys are made.
 
 `AcceptanceCounts` holds vLLM's spec-decode counters for one k: drafts (verifying steps, one per sequence),
 draft tokens proposed, draft tokens accepted, and accepted per draft position. 04's eval produces them by
-replaying greedy chain drafting (train/acceptance.py), 06 reads them from vLLM's own counters
-(validate/acceptance.py), and both derive the same figures from them:
+replaying greedy chain drafting (train/acceptance.py), 06 (and 01, regenerating with a draft) read
+them from vLLM's own counters (`read_counters`), and all derive the same figures from them:
 
     mean acceptance length   1 + accepted / drafts          (tokens per target forward pass)
     acceptance at position i accepted_per_position[i] / drafts
@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 METRIC_KEY = re.compile(r"al_k(\d+)(?:_pos(\d+))?(?:/(.+))?")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass
@@ -90,3 +91,17 @@ def is_metric_key(key: str) -> bool:
 def overall_ks(keys) -> list[int]:
     """The k of each mean-acceptance-length key over all sources (`al_k<k>`) among `keys`."""
     return sorted({parsed[0] for parsed in map(parse_metric_key, keys) if parsed and parsed[1:] == (None, None)})
+
+
+def read_counters(metrics: list, k: int) -> AcceptanceCounts:
+    """The spec-decode counters of an engine so far (summed over label sets, e.g. engines)."""
+    counters = dict.fromkeys(AcceptanceCounts(k).vllm_counters(), 0)
+    per_position = [0] * k
+    for metric in metrics:
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in counters:
+            counters[name] += int(metric.value)
+        elif metric.name == PER_POSITION:
+            per_position = [a + int(b) for a, b in zip(per_position, metric.values)]
+    return AcceptanceCounts(k, counters["num_drafts"], counters["num_draft_tokens"], counters["num_accepted_tokens"],
+                            per_position)

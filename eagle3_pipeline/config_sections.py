@@ -7,6 +7,7 @@ ConfigError naming the key path.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -110,6 +111,20 @@ class SourceConfig(Section):
         return self
 
 
+class SpeculativeRegenerationConfig(Section):
+    """A draft that speeds up regeneration: vLLM serves the target with it (EAGLE-3 speculative decoding)."""
+
+    draft: str = Field(description="an EAGLE-3 draft folder in either export format (05's reference or speculators "
+                       "folder, or e.g. AQ-MedAI/Kimi-K25-eagle3 downloaded)")
+    num_speculative_tokens: int = Field(3, ge=1, description="draft tokens proposed per target forward pass")
+
+    @model_validator(mode="after")
+    def _draft_folder(self) -> SpeculativeRegenerationConfig:
+        if not (Path(self.draft) / "config.json").is_file():
+            raise ValueError(f"draft: {self.draft} is not a draft folder (no config.json there)")
+        return self
+
+
 class RegenerateConfig(Section):
     """Replace assistant turns with the target's own answers (self-distillation)."""
 
@@ -124,6 +139,11 @@ class RegenerateConfig(Section):
         True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
     )
     chunk_size: int = Field(64, ge=1, description="conversations per resumable chunk")
+    speculative: SpeculativeRegenerationConfig | None = Field(
+        None, description="null: the target alone. {draft, num_speculative_tokens}: generate with the draft; the "
+        "answers stay the target's (temperature 0: equal to those without it except at near-ties, where batch "
+        "numerics pick the other token; above 0: vLLM's rejection sampling keeps the target's distribution)"
+    )
 
 
 class DataConfig(Section):

@@ -46,6 +46,12 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
         return LLM(**settings)
 
 
+def speculative_config(draft_dir: Path, k: int) -> dict:
+    """vLLM's `speculative_config` serving the EAGLE-3 draft folder `draft_dir` (either export format) with k
+    speculative tokens: what 06 measures, 05's serving command prints and 01 regenerates with."""
+    return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+
+
 @contextlib.contextmanager
 def scoped_environment(variables: dict[str, str]) -> Iterator[None]:
     """`variables` in os.environ inside the block; each one's previous value (or absence) restored after."""

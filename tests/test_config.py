@@ -98,6 +98,25 @@ def test_cross_field_rules(override, message):
         load_config(CONFIGS / "demo.yaml", [override])
 
 
+def test_regeneration_draft_is_a_folder_checked_at_load(tmp_path):
+    """data.regenerate.speculative: null by default; a draft folder (either export format holds config.json) with
+    k defaulting to 3; a folder that is not there is one line naming the key, before any stage starts."""
+    assert load_config(CONFIGS / "demo.yaml").data.regenerate.speculative is None
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    speculative = load_config(CONFIGS / "demo.yaml", [f"data.regenerate.speculative={{draft: {tmp_path / 'draft'}}}"]
+                              ).data.regenerate.speculative
+    assert speculative.draft == str(tmp_path / "draft") and speculative.num_speculative_tokens == 3
+    for value, message in [(tmp_path / "absent", r"data\.regenerate\.speculative: draft: .*absent is not a draft"),
+                           (tmp_path, r"data\.regenerate\.speculative: draft: .* is not a draft folder \(no config")]:
+        with pytest.raises(ConfigError, match=message) as raised:
+            load_config(CONFIGS / "demo.yaml", [f"data.regenerate.speculative={{draft: {value}}}"])
+        assert "\n" not in str(raised.value)
+    with pytest.raises(ConfigError, match=r"data\.regenerate\.speculative\.num_speculative_tokens: .*greater than"):
+        load_config(CONFIGS / "demo.yaml", [f"data.regenerate.speculative={{draft: {tmp_path / 'draft'}, "
+                                            "num_speculative_tokens: 0}"])
+
+
 def test_unreadable_and_non_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "absent.yaml")

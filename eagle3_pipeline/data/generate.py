@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from eagle3_pipeline.acceptance import read_counters
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.chat_template import ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
+from eagle3_pipeline.data.stats import GenerationFigures
 from eagle3_pipeline.data.vision import Vision, request
-from eagle3_pipeline.engine import start_engine
+from eagle3_pipeline.engine import speculative_config, start_engine
 from eagle3_pipeline.stage_io import Stage, StageError
 
 CHUNK_DIR = "generated"
@@ -42,10 +45,11 @@ CHUNK_DIR = "generated"
 
 def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, model_dir: Path,
                    conversations: list[Conversation], skips: Skips, eval_ids: set[str],
-                   vision: Vision | None = None) -> list[Conversation]:
+                   vision: Vision | None = None) -> tuple[list[Conversation], GenerationFigures]:
     """`conversations` with every turn the target writes written (the answers of `eval_ids` at
-    `data.regenerate.eval_temperature`); those that failed are moved to `skips`. Conversations with images
-    need the target's `vision` (their prompts carry the images)."""
+    `data.regenerate.eval_temperature`), and the figures of the generation done here; those that failed are
+    moved to `skips`. Conversations with images need the target's `vision` (their prompts carry the images).
+    With `data.regenerate.speculative` the target's engine drafts with that draft."""
     regenerate = config.data.regenerate
     todo = [c for c in conversations if c.magpie is not None or regenerate.enabled]
     chunks = [todo[i: i + regenerate.chunk_size] for i in range(0, len(todo), regenerate.chunk_size)]
@@ -54,18 +58,26 @@ def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, mode
     if todo:
         done = len(chunks) - len(missing)
         print(f"generation: {len(todo)} conversations in {len(chunks)} chunks, {done} already done")
+    figures = GenerationFigures()
     if missing:
-        llm = start_engine(config.target, model_dir)
-        for k in tqdm(missing, desc="generated chunks", unit="chunk"):
-            records = _generate_chunk(llm, template, chunks[k], config, eval_ids, vision)
-            with stage.atomic(f"{CHUNK_DIR}/{paths[k].name}") as tmp:
+        speculative = regenerate.speculative
+        k = speculative.num_speculative_tokens if speculative else 0
+        settings = {"speculative_config": speculative_config(Path(speculative.draft), k),
+                    "disable_log_stats": False} if speculative else {}  # its spec-decode counters
+        llm = start_engine(config.target, model_dir, **settings)
+        before = read_counters(llm.get_metrics(), k) if k else None
+        for chunk in tqdm(missing, desc="generated chunks", unit="chunk"):
+            records = _generate_chunk(llm, template, chunks[chunk], config, eval_ids, vision, figures)
+            with stage.atomic(f"{CHUNK_DIR}/{paths[chunk].name}") as tmp:
                 tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
+        if k:
+            figures.acceptance = read_counters(llm.get_metrics(), k) - before
         del llm  # frees the engine's memory before tokenization
 
     written = {}
     for chunk, path in zip(chunks, paths):
         written.update(_read_chunk(path, chunk))
-    return _merge(conversations, written, skips)
+    return _merge(conversations, written, skips), figures
 
 
 def _merge(conversations: list[Conversation], written: dict[str, dict[str, Any]], skips: Skips) -> list[Conversation]:
@@ -132,11 +144,12 @@ class Rewrite:
 
 
 def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], config: RunConfig,
-                    eval_ids: set[str], vision: Vision | None = None) -> list[dict]:
+                    eval_ids: set[str], vision: Vision | None = None, figures: GenerationFigures | None = None
+                    ) -> list[dict]:
     rewrites = [Rewrite(c) for c in chunk]
     user_prefix = template.user_prefix_ids()
     magpie = [(r, user_prefix, r.conversation.magpie) for r in rewrites if r.conversation.magpie is not None]
-    for rewrite, output in _complete(llm, config, template, magpie, "user", vision):
+    for rewrite, output in _complete(llm, config, template, magpie, "user", vision, figures):
         user_turn = output.text.strip()
         rewrite.messages.append({"role": "user", "content": user_turn})
         rewrite.skip = None if user_turn else "empty_generation"
@@ -146,7 +159,8 @@ def _generate_chunk(llm, template: ChatTemplate, chunk: list[Conversation], conf
     while waiting := [r for r in rewrites if not r.skip and r.needs_answer()]:
         requests = [(r, ids, answers[r.conversation.id in eval_ids]) for r in waiting
                     if (ids := _prompt_ids(template, r)) is not None]
-        for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}", vision):
+        for rewrite, output in _complete(llm, config, template, requests, f"answer {turn}", vision,
+                                          figures):
             rewrite.add_answer(template, output.text, finished=output.finish_reason == "stop")
         turn += 1
     return [r.record() for r in rewrites]
@@ -161,7 +175,7 @@ def _prompt_ids(template: ChatTemplate, rewrite: Rewrite) -> list[int] | None:
 
 
 def _complete(llm, config: RunConfig, template: ChatTemplate, requests: list[tuple[Rewrite, list[int], Any]],
-              what: str, vision: Vision | None) -> list[tuple[Rewrite, Any]]:
+              what: str, vision: Vision | None, figures: GenerationFigures | None = None) -> list[tuple[Rewrite, Any]]:
     """(rewrite, completion) for each request that fits the engine; the others are marked overlong_prompt.
 
     A request is (rewrite, prompt ids as the template writes them, settings with temperature and max_tokens);
@@ -187,5 +201,8 @@ def _complete(llm, config: RunConfig, template: ChatTemplate, requests: list[tup
         fitting.append((rewrite, request(prompt_ids, images, vision, expanded=False), params))
     if not fitting:
         return []
+    started = time.perf_counter()
     outputs = llm.generate([f[1] for f in fitting], [f[2] for f in fitting], use_tqdm=True)
+    if figures is not None:
+        figures.add(outputs, time.perf_counter() - started)
     return [(rewrite, output.outputs[0]) for (rewrite, _, _), output in zip(fitting, outputs)]

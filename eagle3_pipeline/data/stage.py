@@ -53,7 +53,10 @@ def run(config: RunConfig, force: bool = False) -> None:
 
     eval_ids = {c.id for c in held_out}
     with stage.timed("generate"):
-        conversations = generate_turns(stage, config, template, model_dir, train + held_out, skips, eval_ids, vision)
+        conversations, figures = generate_turns(stage, config, template, model_dir, train + held_out, skips, eval_ids,
+                                                vision)
+    if figures.tokens:
+        print(f"01_data: generation: {figures.summary()}")
     train = [c for c in conversations if c.id not in eval_ids]
     held_out = [c for c in conversations if c.id in eval_ids]
 
@@ -73,7 +76,7 @@ def run(config: RunConfig, force: bool = False) -> None:
         "train": split_stats(train_rows, data.max_seq_len),
         "eval": split_stats(eval_rows, data.max_seq_len),
         "skipped": skips.as_dict(),
-        "generation": generation_stats(conversations),
+        "generation": generation_stats(conversations) | figures.as_dict(),
     }
     print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
           f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "

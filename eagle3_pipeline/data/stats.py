@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.data.chat_template import KINDS
 from eagle3_pipeline.data.conversations import Conversation
 
@@ -47,6 +49,39 @@ def generation_stats(conversations: list[Conversation]) -> dict[str, int]:
     """Answers the target wrote here, and those cut by max_tokens before their end-of-turn token."""
     written = [m for c in conversations for m in c.messages if "completion" in m]
     return {"answers_generated": len(written), "answers_cut_by_max_tokens": sum(not m["finished"] for m in written)}
+
+
+@dataclass
+class GenerationFigures:
+    """The generation this run did (a resumed run: the chunks it generated): tokens the target wrote, seconds
+    inside vLLM's generate, and with a draft (data.regenerate.speculative) vLLM's spec-decode counters over them."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance: AcceptanceCounts | None = None
+
+    def add(self, outputs: list, seconds: float) -> None:
+        self.tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
+        self.seconds += seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        figures = {"tokens_generated": self.tokens, "generate_seconds": round(self.seconds, 3),
+                   "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0}
+        if self.acceptance is not None:
+            counts = self.acceptance
+            figures["speculative"] = {
+                "num_speculative_tokens": counts.k, **counts.vllm_counters(),
+                "mean_acceptance_length": round(counts.mean_acceptance_length, 4),
+                "acceptance_per_position": [round(rate, 4) for rate in counts.acceptance_per_position]}
+        return figures
+
+    def summary(self) -> str:
+        line = f"{self.tokens} tokens generated in {self.seconds:.1f} s ({self.as_dict()['tokens_per_s']} tokens/s)"
+        if self.acceptance is not None:
+            rates = ", ".join(f"{rate:.3f}" for rate in self.acceptance.acceptance_per_position)
+            line += (f"; draft: mean acceptance length {self.acceptance.mean_acceptance_length:.3f} over "
+                     f"{self.acceptance.drafts} drafts (k={self.acceptance.k}), per position {rates}")
+        return line
 
 
 def loss_kinds_summary(split: dict[str, Any]) -> str:

@@ -56,11 +56,6 @@ def spec_format(config_json: dict) -> str:
     return "speculators" if "speculators_config" in config_json else "reference"
 
 
-def speculative_config(export_dir: Path, k: int) -> dict:
-    """vLLM's `speculative_config` serving the draft folder `export_dir` with k speculative tokens."""
-    return {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
-
-
 # ------------------------------------------------------------------------------------------- config.json
 def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[int], serving_len: int) -> dict:
     """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly (and

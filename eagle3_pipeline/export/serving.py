@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.engine import engine_settings
-from eagle3_pipeline.export.format import speculative_config
+from eagle3_pipeline.engine import engine_settings, speculative_config
 from eagle3_pipeline.target import serving_path
 
 

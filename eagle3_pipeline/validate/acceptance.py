@@ -23,16 +23,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_pipeline.acceptance import AcceptanceCounts
+from eagle3_pipeline.acceptance import AcceptanceCounts, read_counters
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Vision, request
-from eagle3_pipeline.engine import start_engine
-from eagle3_pipeline.export.format import speculative_config
+from eagle3_pipeline.engine import speculative_config, start_engine
 from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import REPORT, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
-
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass(frozen=True)
@@ -202,17 +199,3 @@ def record_weights(run: EngineRun, reports: list[dict]) -> None:
         run.skipped_parameters = sorted(set(run.skipped_parameters) | set(skipped))
         run.ignored_tensors = sorted(set(run.ignored_tensors) | set(ignored))
         run.shared_parameters = sorted(set(run.shared_parameters) | set(report["shared"]))
-
-
-def read_counters(metrics: list, k: int) -> AcceptanceCounts:
-    """The spec-decode counters of an engine so far (summed over label sets, e.g. engines)."""
-    counters = dict.fromkeys(AcceptanceCounts(k).vllm_counters(), 0)
-    per_position = [0] * k
-    for metric in metrics:
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if name in counters:
-            counters[name] += int(metric.value)
-        elif metric.name == PER_POSITION:
-            per_position = [a + int(b) for a, b in zip(per_position, metric.values)]
-    return AcceptanceCounts(k, counters["num_drafts"], counters["num_draft_tokens"], counters["num_accepted_tokens"],
-                            per_position)

@@ -4,6 +4,7 @@
 - `trained_stand_in_run`: a stand-in target (SmolLM2 or tiny Kimi), 01 with an eval split carrying
   `prompt_ids` as 06 reads it, 02 from given hidden states, 03, and 04 trained `max_steps` steps.
 - `cached_run`: such a run built once into the cache and copied for each test (training takes minutes).
+- `demo_run`: the demo's draft on SmolLM2, cached (06's vLLM tests and 01's regeneration with a draft use it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import tiny_run, write_vocab_stage
+from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, tiny_run, write_vocab_stage
+from tests.validate.smollm2_inputs import self_distilled_humaneval
 
 
 def trained_tiny_run(tmp_path: Path) -> tuple[RunConfig, Path]:
@@ -77,3 +79,23 @@ def cached_run(tmp_path: Path, key: str, config_name: str, train: dict, validate
             build(stand_in_config(tmp_path / "build", config_name, train, validate, run_dir=building)[0])
     shutil.copytree(cached, tmp_path / "run")
     return stand_in_config(tmp_path, config_name, train, validate)
+
+
+# The demo's draft shape, trained on SmolLM2's own answers to 152 HumanEval prompts (160 steps; about 3 minutes
+# on 2 idle cores, once: the finished run is cached), served on the 12 held-out ones.
+DEMO_SAMPLES, DEMO_HELD_OUT = 164, 12
+DEMO_TRAIN = {"max_steps": 160, "warmup_steps": 4, "eval_every": 80, "checkpoint_every": 160, "log_every": 8}
+DEMO_VALIDATE = {"max_prompts": DEMO_HELD_OUT, "max_tokens": 48}
+
+
+def build_demo_run(config) -> None:
+    from eagle3_pipeline.stand_ins import ensure_stand_in
+
+    samples, states = self_distilled_humaneval(ensure_stand_in("smollm2-135m-instruct"), DEMO_SAMPLES, 96)
+    trained_stand_in_run(config, samples, states, eval_count=DEMO_HELD_OUT, vocab=49152,
+                         aux_layer_ids=SMOLLM2_AUX_LAYER_IDS)
+
+
+def demo_run(tmp_path: Path) -> tuple[RunConfig, Path]:
+    """The demo draft's run through 04 (configs/demo.yaml with DEMO_TRAIN / DEMO_VALIDATE), under tmp_path/run."""
+    return cached_run(tmp_path, "smollm2-demo-draft-v1", "demo", DEMO_TRAIN, DEMO_VALIDATE, build_demo_run)

@@ -3,8 +3,9 @@ output the draft changed."""
 
 from __future__ import annotations
 
+from eagle3_pipeline.acceptance import read_counters
 from eagle3_pipeline.config_sections import ValidateConfig
-from eagle3_pipeline.validate.acceptance import Divergence, EngineRun, read_counters
+from eagle3_pipeline.validate.acceptance import Divergence, EngineRun
 from eagle3_pipeline.validate.speed import Timing
 from eagle3_pipeline.validate.stage import dynamic_problems
 

@@ -26,9 +26,8 @@ import pytest
 from eagle3_pipeline.stage_io import read_manifest
 from tests.conftest import run_python
 from tests.no_speculators import without_speculators
-from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS
-from tests.validate.runs import cached_run, trained_stand_in_run
-from tests.validate.smollm2_inputs import humaneval_chats, self_distilled_humaneval
+from tests.validate.runs import DEMO_HELD_OUT, DEMO_SAMPLES, demo_run
+from tests.validate.smollm2_inputs import humaneval_chats
 
 
 def export_and_validate(path, run_dir) -> dict:
@@ -48,26 +47,11 @@ def export_and_validate(path, run_dir) -> dict:
     return report
 
 
-# The demo's draft shape, trained on SmolLM2's own answers to 152 HumanEval prompts (160 steps; about 3 minutes
-# on 2 idle cores, once: the finished run is cached), served on the 12 held-out ones.
-DEMO_SAMPLES, DEMO_HELD_OUT = 164, 12
-DEMO_TRAIN = {"max_steps": 160, "warmup_steps": 4, "eval_every": 80, "checkpoint_every": 160, "log_every": 8}
-DEMO_VALIDATE = {"max_prompts": DEMO_HELD_OUT, "max_tokens": 48}
-
-
-def build_demo_run(config) -> None:
-    from eagle3_pipeline.stand_ins import ensure_stand_in
-
-    samples, states = self_distilled_humaneval(ensure_stand_in("smollm2-135m-instruct"), DEMO_SAMPLES, 96)
-    trained_stand_in_run(config, samples, states, eval_count=DEMO_HELD_OUT, vocab=49152,
-                         aux_layer_ids=SMOLLM2_AUX_LAYER_IDS)
-
-
 @pytest.fixture(scope="module")
 def validated_demo(tmp_path_factory):
     """The cached demo run, exported and validated once for the tests below: (config, report.json)."""
     tmp_path = tmp_path_factory.mktemp("demo")
-    config, path = cached_run(tmp_path, "smollm2-demo-draft-v1", "demo", DEMO_TRAIN, DEMO_VALIDATE, build_demo_run)
+    config, path = demo_run(tmp_path)
     return config, export_and_validate(path, config.run_dir)
 
 
