@@ -96,7 +96,7 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
-        elif engine.dtype == "float32" and is_mla(text_config(model_dir)):
+        elif llm_kwargs.get("dtype", engine.dtype) == "float32" and is_mla(text_config(model_dir)):
             # vLLM CPU prefers its AMX MLA backend where the processor has AMX, and that packs bf16/fp16/int8
             # weights only; the reference CPU MLA backend runs fp32
             settings["attention_backend"] = "CPU_MLA"

@@ -80,5 +80,6 @@ def test_cpu_engine_runs_an_fp32_mla_target_on_the_reference_mla_backend(monkeyp
     fp32, bf16 = (TargetConfig(path=str(tmp_path), engine={"dtype": dtype}) for dtype in ("float32", "bfloat16"))
     assert engine.engine_settings(fp32, tmp_path)[0]["attention_backend"] == "CPU_MLA"
     assert "attention_backend" not in engine.engine_settings(bf16, tmp_path)[0]
+    assert engine.engine_settings(bf16, tmp_path, dtype="float32")[0]["attention_backend"] == "CPU_MLA"
     # with a draft the target's MLA is off (VLLM_MLA_DISABLE): no MLA backend to choose
     assert "attention_backend" not in engine.engine_settings(fp32, tmp_path, speculative_config=EAGLE3)[0]

@@ -57,12 +57,17 @@ def validated_demo(tmp_path_factory):
 
 @pytest.mark.vllm
 def test_demo_draft_is_accepted_and_keeps_smollm2s_greedy_outputs(validated_demo):
-    """What the draft does on this CPU: drafts accepted, greedy outputs unchanged. Not a speed-up: with two
-    cores the run with the draft is slower (the demo measured 0.70x); the speed-up is reported, not asserted."""
+    """What the draft does on this CPU: drafts accepted, greedy outputs unchanged but for bf16 near-ties (vLLM
+    CPU's bf16 kernels, AMX where the processor has it, round a k+1-token verifying step otherwise than a decode
+    step; each changed output is one where the target's own logit margin is at most validate.max_tie_margin).
+    Not a speed-up: with two cores the run with the draft is slower; the speed-up is reported, not asserted."""
     config, report = validated_demo
     assert report["num_speculative_tokens"] == 3 and len(report["acceptance_per_position"]) == 3
     assert report["mean_acceptance_length"] > 1.5
-    assert report["greedy_identical_fraction"] == 1.0
+    divergences = report["runs"][0]["divergences"]
+    assert report["verdict"] == "PASSED" and report["greedy_identical_fraction"] >= 0.5
+    assert (divergences == []) == (report["greedy_identical_fraction"] == 1.0)
+    assert all(d["margin_exact"] and abs(d["margin"]) <= config.validate_.max_tie_margin for d in divergences)
     assert report["runs"][0]["speedup"] > 0
     assert (config.run_dir / "06_validate" / "acceptance.png").stat().st_size > 10_000
     assert report["serving_command"] in (config.run_dir / "06_validate" / "report.md").read_text()
