@@ -83,11 +83,12 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
         dtype=engine.dtype,
         seed=0,
     )
-    environment = {}
     if engine.kv_cache_memory_gb is not None:
         settings["kv_cache_memory_bytes"] = int(engine.kv_cache_memory_gb * 2**30)
-    mla_target_with_draft = ((llm_kwargs.get("speculative_config") or {}).get("method") == "eagle3"
-                             and is_mla(text_config(model_dir)))
+    settings.update(llm_kwargs)
+    environment = {}
+    mla_target = is_mla(text_config(model_dir))
+    mla_target_with_draft = mla_target and (settings.get("speculative_config") or {}).get("method") == "eagle3"
     if on_cpu():
         settings.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         if engine.cpu_reserved_cores is not None:
@@ -96,17 +97,16 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
-        elif llm_kwargs.get("dtype", engine.dtype) == "float32" and is_mla(text_config(model_dir)):
+        elif mla_target and settings["dtype"] == "float32":
             # vLLM CPU prefers its AMX MLA backend where the processor has AMX, and that packs bf16/fp16/int8
             # weights only; the reference CPU MLA backend runs fp32
-            settings["attention_backend"] = "CPU_MLA"
+            settings.setdefault("attention_backend", "CPU_MLA")
     elif mla_target_with_draft and not mrv2_plans_the_drafts_own_attention():
         # vLLM GPU, Model Runner V2 before 0.33: the draft's FlashAttention-3 scheduler metadata is planned with
         # the target's MLA shape (1 KV head of 576) and run with the draft's (head_dim 128), which FA3 refuses
         # at engine start ("scheduler_metadata must have shape"); V1 drafts without that plan. 0.26 runs MoE
         # targets on V1 unless told otherwise; from 0.29 MRv2 is every architecture's default.
         environment["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    settings.update(llm_kwargs)
     return settings, environment
 
 
