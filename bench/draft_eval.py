@@ -99,7 +99,7 @@ def unroll(model, batch: dict, ttt_steps: int) -> tuple[torch.Tensor, torch.Tens
     tokens = batch["input_ids"]
     length = tokens.shape[1]
     chain = torch.ones_like(loss_mask, dtype=torch.bool)  # row t: steps 0..k-1 all correct
-    out = torch.zeros(4, ttt_steps)
+    out = torch.zeros(4, ttt_steps, device=loss_mask.device)
     top1 = []
     for step in range(ttt_steps):
         hidden = torch.cat([model.embed_tokens(tokens).to(hidden.dtype), hidden], dim=-1)
@@ -124,19 +124,20 @@ def unroll(model, batch: dict, ttt_steps: int) -> tuple[torch.Tensor, torch.Tens
     return out, torch.stack(top1, dim=1)
 
 
-def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = (), max_tokens: int = 0
-             ) -> dict[str, float]:
+def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = (), max_tokens: int = 0,
+             device: str = "cpu") -> dict[str, float]:
     """Teacher-forced figures per TTT step, and the simulated acceptance at each k of `ks` (answers cut at
-    `max_tokens`, as 06 serves them)."""
-    model = load_draft(folder)
+    `max_tokens`, as 06 serves them), computed on `device`."""
+    model = load_draft(folder).to(device)
     aux_width = model.fc.in_features
     steps = max([ttt_steps, *ks])  # a k past the trained steps unrolls the chain further
     totals = torch.zeros(4, steps)
     sources = dict.fromkeys(sample["source"] for sample in eval_rows.samples)
     chains = {(source, k): AcceptanceCounts(k) for source in sources for k in ks}
     for batch, pack in zip(eval_rows.batches(aux_width, model.hidden_size), eval_rows.packs):
+        batch = {key: value.to(device) for key, value in batch.items()}
         batch_totals, top1 = unroll(model, batch, steps)
-        totals += batch_totals
+        totals += batch_totals.cpu()
         if chains:
             replay_batch(target_proposals(top1, model.d2t), batch, [pack], eval_rows.samples, max_tokens, chains)
     kl, correct, chain, count = totals.double()

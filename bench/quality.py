@@ -234,6 +234,19 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
     return record
 
 
+def device_flags() -> list[str]:
+    """The `speculators train` flags its defaults need on this machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        # its fused loss is a Triton kernel that fails under torch 2.11 (bench/train_throughput.py); the loader's
+        # processes are capped so that several trainings share the node's cores
+        return ["--loss-implementation", "eager", "--num-workers", "4"]
+    # CPU: flex attention has no CPU backward, the fused loss is a Triton kernel, 2 cores, fp32 as ours
+    return ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+            "--hidden-states-dtype", "float32"]
+
+
 def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, config, name: str = "speculators",
                       extra: list[str] = ()) -> dict:
     from bench.speculators_trainer import train_batches, write_dataset
@@ -275,11 +288,7 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
         "--max-steps", str(max_steps),
         "--epochs", str(epochs),
         "--on-missing", "raise",
-        # CPU: flex attention has no CPU backward, the fused loss is a Triton kernel, 2 cores, fp32 as ours
-        "--draft-attn-impl", "sdpa",
-        "--loss-implementation", "eager",
-        "--num-workers", "0",
-        "--hidden-states-dtype", "float32",
+        *device_flags(),
         *extra,
     ]
     seconds = run_logged(cmd, run_dir / "train.log")

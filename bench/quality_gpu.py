@@ -1,0 +1,418 @@
+"""Draft quality at scale on one GPU: the learning curve of our trainer against speculators 0.9.0's, the levers
+at the largest budget, three seeds there, and regeneration with the trained draft.
+
+    python bench/quality_gpu.py --work /tmp/quality_gpu --out /tmp/out          # one H200: every phase, in order
+    python bench/quality_gpu.py --report bench/results/quality_gpu.json        # tables and PNG from the JSON
+
+Phases (each skips the work a rerun finds complete; `--phases` picks some):
+
+    data     stages 01-03 once on bench/quality_gpu.yaml: SmolLM2-135M-Instruct regenerates every answer, five
+             held-out eval benchmarks (MT-Bench both turns, HumanEval, GSM8K, MATH500, BFCL when installed)
+    train    the curve (our trainer and `speculators train` at each of --curve-steps, seed 0: speculators gets the
+             tokens ours trains on at that step count, same batch shape), seeds 1 and 2 at the largest point, and
+             each lever of LEVERS at the largest point (ours, seed 0); --parallel trainings share the GPU. Every
+             draft is scored by one shared evaluator on the GPU (bench/draft_eval.py: 04's simulated acceptance
+             length per eval benchmark at k=3, teacher-forced accuracies)
+    serve    vLLM's own counters (06's `serve`, CUDA graphs off: acceptance does not depend on them) for the final
+             rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever
+    regen    01's regeneration of --regen-conversations magpie conversations at 01's concurrency, without and
+             with the largest seed-0 draft of ours as its speculative draft (`data.regenerate.speculative`): the
+             generated tokens/s and acceptance 01's stats.json reports, alone on the GPU
+
+Writes <out>/quality_gpu.json after every draft, so a lease cut short keeps what was measured; `--report` turns it
+into quality_gpu.md and quality_gpu.png beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.quality import (  # noqa: E402
+    SHARED_SECTIONS,
+    Clock,
+    cached,
+    measure,
+    our_token_budget,
+    run_logged,
+    save,
+    shared_stages,
+    stage_cmd,
+    train_ours,
+    train_speculators,
+)
+from eagle3_pipeline.acceptance import metric_key  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+CONFIG = Path("bench/quality_gpu.yaml")
+K = 3
+TTT_DECAY = [round(0.8 ** step, 6) for step in range(7)]
+# One setting moved from bench/quality_gpu.yaml's train/draft sections, ours, at the largest point, seed 0
+LEVERS: dict[str, list[str]] = {
+    "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false"],
+    "standardize_aux-off": ["train.standardize_aux=false"],
+    "ttt7-decay0.8": ["train.ttt_steps=7", f"train.ttt_step_weights={TTT_DECAY}"],
+    "loss-tv": ["train.loss=tv"],
+    "loss-lk": ["train.loss=lk"],
+    "lr-warmup5pc-cosine-to-0": ["train.warmup_steps={warmup}", "train.min_lr_ratio=0.0"],
+    "lr-3e-3": ["train.learning_rate=3e-3"],
+    "fp8": ["train.fp8=true"],
+}
+LOCK = threading.Lock()
+
+
+class Bench:
+    """The bench's work folder, its shared stages, and quality_gpu.json written after every record."""
+
+    def __init__(self, args):
+        from eagle3_pipeline.config import load_config
+        from eagle3_pipeline.stage_io import fingerprint
+
+        self.args = args
+        self.clock = Clock()
+        base = load_config(args.config, [])
+        args.run_dir = args.work / fingerprint({s: base.section(s) for s in SHARED_SECTIONS})[:10]
+        args.budget, args.force_train, args.reuse_01 = [], False, None
+        self.shared = args.run_dir / "shared"
+        self.config = load_config(args.config, [f"run_dir={self.shared}"])
+        self.out = args.out / "quality_gpu.json"
+        self.report = cached(self.out) or {}
+        self.report.update({"command": "python bench/quality_gpu.py " + " ".join(sys.argv[1:]),
+                            "config": str(args.config), "curve_steps": args.curve_steps, "k": K})
+        self.report.setdefault("drafts", {})
+
+    def record(self, key: str, value) -> None:
+        with LOCK:
+            self.report[key] = value
+            save(self.out, self.report)
+
+    def add_draft(self, name: str, record: dict) -> None:
+        with LOCK:
+            self.report["drafts"][name] = record
+            save(self.out, self.report)
+
+    def budget_args(self, steps: int):
+        args = copy.copy(self.args)
+        args.budget = [f"train.max_steps={steps}"]
+        return args
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def phase_data(bench: Bench) -> None:
+    seconds = shared_stages(bench.args, bench.clock, bench.shared)
+    from eagle3_pipeline.data.dataset import open_split
+
+    stats = json.loads((bench.shared / "01_data" / "stats.json").read_text())
+    bench.record("data", {"stage_seconds": seconds, "train_conversations": len(open_split(bench.shared / "01_data", "train")),
+                          "train_tokens": stats["train"]["tokens"], "loss_tokens": stats["train"]["loss_tokens"],
+                          "generation": stats["generation"]})
+
+
+# ---------------------------------------------------------------------------------------------------- train
+def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
+    """(name, trainer, steps, seed, extra overrides) of every draft, the largest ones first."""
+    from eagle3_pipeline.config import ConfigError, load_config
+
+    largest = max(args.curve_steps)
+    jobs = [(f"ours-{steps}-s0", "ours", steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)]
+    jobs += [(f"ours-{largest}-s{seed}", "ours", largest, seed, []) for seed in (1, 2)]
+    for lever, overrides in LEVERS.items():
+        if args.levers and lever not in args.levers:
+            continue
+        overrides = [o.format(warmup=max(1, largest // 20)) for o in overrides]
+        try:
+            load_config(args.config, overrides)
+        except ConfigError as err:  # a lever this checkout does not have
+            print(f"lever {lever} skipped: {err}", flush=True)
+            continue
+        jobs.append((f"{lever}-{largest}-s0", "ours", largest, 0, overrides))
+    jobs += [(f"speculators-{steps}-s0", "speculators", steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)]
+    jobs += [(f"speculators-{largest}-s{seed}", "speculators", largest, seed, []) for seed in (1, 2)]
+    return jobs
+
+
+def phase_train(bench: Bench) -> None:
+    from bench.draft_eval import EvalRows
+    from bench.speculators_trainer import write_dataset
+    from eagle3_pipeline.capture.store import open_reader
+    from eagle3_pipeline.config import load_config
+
+    config = bench.config
+    _, layout = open_reader(bench.shared / "02_hidden_states")
+    rows = EvalRows(bench.shared, config.train.packed_length)
+    rows.batches(len(layout.aux_layer_ids) * config.draft.hidden_size, config.draft.hidden_size)  # once, here
+    dataset = threading.Thread(target=write_dataset, args=(bench.shared, bench.args.run_dir / "speculators_data"))
+    dataset.start()
+
+    def run(job) -> None:
+        name, trainer, steps, seed, extra = job
+        if name in bench.report["drafts"] and "shared_eval" in bench.report["drafts"][name]:
+            return
+        started = time.perf_counter()
+        args = bench.budget_args(steps)
+        try:
+            if trainer == "ours":
+                record = train_ours(args, bench.clock, bench.shared, name, seed, extra)
+            else:
+                ours = load_config(args.config, [f"run_dir={bench.shared}", f"train.max_steps={steps}",
+                                                 f"train.seed={seed}"])
+                dataset.join()
+                record = train_speculators(args, bench.clock, bench.shared, seed, our_token_budget(ours), config,
+                                           name="speculators")
+            record["shared_eval"] = shared_eval(record, rows, config)
+        except Exception as err:  # noqa: BLE001 - one failed draft is reported, the others go on
+            record = {"error": repr(err)[-2000:]}
+        bench.add_draft(name, record | {"trainer_kind": trainer, "steps": steps, "seed": seed, "extra": extra,
+                                        "job_wall_s": round(time.perf_counter() - started, 1)})
+        bench.clock.say(f"{name}: {summary_line(bench.report['drafts'][name])}")
+
+    with ThreadPoolExecutor(bench.args.parallel) as pool:
+        list(pool.map(run, draft_jobs(bench.args)))
+    dataset.join()
+
+
+def shared_eval(record: dict, rows, config) -> dict:
+    import torch
+
+    from bench.draft_eval import evaluate
+
+    path = Path(record["run_dir"]) / "bench_shared_eval_gpu.json"
+    values = cached(path)
+    if values is None:
+        values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, [K],
+                          config.validate_.max_tokens, device="cuda" if torch.cuda.is_available() else "cpu")
+        save(path, values)
+    return values
+
+
+def summary_line(record: dict) -> str:
+    if "error" in record:
+        return "failed: " + record["error"].splitlines()[-1][:300]
+    values = record["shared_eval"]
+    return f"{record['train_tokens']} tokens, {record['train_wall_s']:.0f} s, simulated AL k={K} {values[metric_key(K)]:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------------- serve
+def phase_serve(bench: Bench) -> None:
+    from eagle3_pipeline.validate.stage import eval_prompts
+
+    drafts = bench.report["drafts"]
+    largest, smallest = max(bench.args.curve_steps), min(bench.args.curve_steps)
+    chosen = [f"ours-{largest}-s0", f"speculators-{largest}-s0", f"ours-{smallest}-s0"]
+    levers = [n for n, r in drafts.items() if n.endswith(f"-{largest}-s0") and "shared_eval" in r
+              and not n.startswith(("ours-", "speculators-"))]
+    if levers:
+        chosen.append(max(levers, key=lambda n: drafts[n]["shared_eval"][metric_key(K)]))
+    config = bench.config.model_copy(deep=True)
+    config.target.engine.enforce_eager = True  # acceptance does not depend on CUDA graphs; no compilation
+    prompts = eval_prompts(config)
+    served = bench.report.setdefault("served", {})
+    for name in chosen:
+        if name not in drafts or "error" in drafts[name] or name in served:
+            continue
+        record = dict(drafts[name], trainer=name)
+        result = measure(bench.args, bench.clock, record, K, config, prompts)
+        served[name] = {key: value for key, value in result.items() if key != "outputs"}
+        bench.record("served", served)
+
+
+# ---------------------------------------------------------------------------------------------------- regen
+def phase_regen(bench: Bench) -> None:
+    """01 on the same magpie conversations twice, without and with the draft: generation figures from stats.json."""
+    largest = max(bench.args.curve_steps)
+    draft = bench.report["drafts"].get(f"ours-{largest}-s0", {}).get("export")
+    if not draft:
+        print("regen skipped: no trained draft", flush=True)
+        return
+    source = f"{{kind: magpie, limit: {bench.args.regen_conversations}, temperature: 1.0, max_tokens: 48}}"
+    results = bench.report.setdefault("regeneration", {})
+    for name, extra in (("target alone", []), (f"with ours-{largest}-s0, k={K}", [
+            f"data.regenerate.speculative={{draft: {draft}, num_speculative_tokens: {K}}}"])):
+        if name in results:
+            continue
+        run_dir = bench.args.run_dir / ("regen-" + ("plain" if not extra else "speculative"))
+        overrides = [f"run_dir={run_dir}", f"data.sources=[{source}]", "data.eval_sources=[{kind: mtbench, limit: 4}]",
+                     *extra]
+        seconds = run_logged(stage_cmd("01_prepare_data.py", bench.args.config, overrides), run_dir / "01.log")
+        stats = json.loads((run_dir / "01_data" / "stats.json").read_text())
+        results[name] = {"stage_wall_s": round(seconds, 1), "generation": stats.get("generation"),
+                         "overrides": overrides}
+        bench.record("regeneration", results)
+        bench.clock.say(f"regeneration {name}: {stats.get('generation')}")
+
+
+# --------------------------------------------------------------------------------------------------- report
+def spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def sources_of(report: dict) -> list[str]:
+    for record in report["drafts"].values():
+        if "shared_eval" in record:
+            return [key.split("/", 1)[1] for key in record["shared_eval"] if key.startswith(f"{metric_key(K)}/")]
+    return []
+
+
+def markdown(report: dict) -> str:
+    drafts = {n: r for n, r in report["drafts"].items() if "shared_eval" in r}
+    sources = sources_of(report)
+    largest = max(report["curve_steps"])
+    sim = lambda r, s=None: r["shared_eval"][metric_key(K, source=s) if s else metric_key(K)]  # noqa: E731
+    mean_of_sources = lambda r: statistics.fmean(sim(r, s) for s in sources)  # noqa: E731
+    header = ["draft", "train tokens", "train wall s"] + sources + ["mean of benchmarks", "all prompts"]
+    lines = [
+        "# Draft quality at scale on one H200: our trainer against speculators 0.9.0's",
+        "",
+        f"Command: `{report['command']}` (bench/quality_gpu.yaml). Target SmolLM2-135M-Instruct (stand-in), every "
+        f"training answer regenerated by it; acceptance length (AL) at k={K}, simulated by one shared evaluator "
+        "(bench/draft_eval.py: 04's greedy chain replay on the held-out eval answers) unless marked vLLM.",
+        "",
+    ]
+    if report.get("data"):
+        data = report["data"]
+        lines += [f"Data: {data['train_conversations']} training conversations, {data['train_tokens']} tokens "
+                  f"({data['loss_tokens']} loss-masked); 01-03 took "
+                  + ", ".join(f"{k[:2]} {v:.0f} s" for k, v in data["stage_seconds"].items())
+                  + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s" if data.get("generation") else "")
+                  + ".", ""]
+    lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
+              "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for trainer in ("ours", "speculators"):
+        for steps in sorted(report["curve_steps"]):
+            record = drafts.get(f"{trainer}-{steps}-s0")
+            if record:
+                lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
+                                                 f"{record['train_wall_s']:.0f}"] + [f"{sim(record, s):.3f}" for s in sources]
+                                                + [f"{mean_of_sources(record):.3f}", f"{sim(record):.3f}"]) + " |")
+    lines += ["", f"## Three seeds at the largest point ({largest} steps): mean [min, max]", "",
+              "| " + " | ".join(["trainer"] + sources + ["mean of benchmarks", "all prompts"]) + " |",
+              "|---" * (len(sources) + 3) + "|"]
+    seeds = {}
+    for trainer in ("ours", "speculators"):
+        runs = [drafts[n] for n in (f"{trainer}-{largest}-s{s}" for s in range(3)) if n in drafts]
+        if runs:
+            seeds[trainer] = runs
+            lines.append("| " + " | ".join([f"{trainer} ({len(runs)} seeds)"] + [spread([sim(r, s) for r in runs]) for s in sources]
+                                             + [spread([mean_of_sources(r) for r in runs]), spread([sim(r) for r in runs])]) + " |")
+    if len(seeds) == 2:
+        lines += ["", "Targets (ours in the reference layout at least 3% above speculators' defaults, every seed "
+                  "above their mean):", ""]
+        for scope, pick in [("MT-Bench", lambda r: sim(r, "mtbench")), ("mean of benchmarks", mean_of_sources)]:
+            if scope == "MT-Bench" and "mtbench" not in sources:
+                continue
+            ours = [pick(r) for r in seeds["ours"]]
+            theirs = statistics.fmean(pick(r) for r in seeds["speculators"])
+            ratio = statistics.fmean(ours) / theirs - 1
+            lines.append(f"- {scope}: ours {statistics.fmean(ours):.3f} vs speculators {theirs:.3f} "
+                         f"({100 * ratio:+.1f}%; target +3%: {'met' if ratio >= 0.03 else 'missed'}; every seed above "
+                         f"their mean: {'yes' if min(ours) > theirs else 'no'})")
+    levers = [(n, r) for n, r in drafts.items() if not n.startswith(("ours-", "speculators-"))]
+    base = drafts.get(f"ours-{largest}-s0")
+    if levers and base:
+        lines += ["", f"## Levers at {largest} steps (ours, seed 0; one setting moved from bench/quality_gpu.yaml)", "",
+                  "| lever | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours seed 0 |",
+                  "|---|---|" + "---|" * (len(sources) + 2)]
+        for name, record in sorted(levers, key=lambda item: -mean_of_sources(item[1])):
+            lines.append("| " + " | ".join([name, "`" + " ".join(record["extra"]) + "`"]
+                                             + [f"{sim(record, s):.3f}" for s in sources]
+                                             + [f"{mean_of_sources(record):.3f}",
+                                                f"{100 * (mean_of_sources(record) / mean_of_sources(base) - 1):+.1f}%"]) + " |")
+    if report.get("served"):
+        lines += ["", f"## vLLM's own counters (06's serve, k={K}) against the simulation", "",
+                  "| draft | " + " | ".join(f"{s} vLLM / simulated" for s in sources) + " | all prompts vLLM / simulated |",
+                  "|---|" + "---|" * (len(sources) + 1)]
+        for name, run in report["served"].items():
+            record = report["drafts"][name]
+            cells = [f"{run['by_source'][s]['mean_acceptance_length']:.3f} / {sim(record, s):.3f}"
+                     if s in run["by_source"] else "-" for s in sources]
+            lines.append("| " + " | ".join([name, *cells, f"{run['mean_acceptance_length']:.3f} / {sim(record):.3f}"]) + " |")
+    if report.get("regeneration"):
+        lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's concurrency)", "",
+                  "| run | generated tokens | tokens/s | mean acceptance length |", "|---|---|---|---|"]
+        for name, run in report["regeneration"].items():
+            generation = run["generation"] or {}
+            speculative = generation.get("speculative") or {}
+            lines.append(f"| {name} | {generation.get('tokens_generated')} | {generation.get('tokens_per_s')} | "
+                         f"{speculative.get('mean_acceptance_length', '-')} |")
+    failed = {n: r["error"].splitlines()[-1][:200] for n, r in report["drafts"].items() if "error" in r}
+    if failed:
+        lines += ["", "## Failed", ""] + [f"- {n}: {e}" for n, e in failed.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = sources_of(report)
+    fig, axes = plt.subplots(1, len(sources) + 1, figsize=(4 * (len(sources) + 1), 3.6), sharex=True)
+    for ax, source in zip(axes, [None, *sources]):
+        for i, trainer in enumerate(("ours", "speculators")):
+            points = sorted((r["train_tokens"], r["shared_eval"][metric_key(K, source=source)])
+                            for n, r in report["drafts"].items()
+                            if n.startswith(f"{trainer}-") and n.endswith("-s0") and "shared_eval" in r)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=trainer, color=f"C{i}")
+        ax.set_xscale("log")
+        ax.set_title(source or "all prompts")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"simulated acceptance length, k={K}")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------- main
+PHASES = {"data": phase_data, "train": phase_train, "serve": phase_serve, "regen": phase_regen}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--work", type=Path, default=Path("runs/bench_quality_gpu"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 80, 160, 320, 640],
+                        help="our optimizer steps (one 8192-row pack each) at each curve point")
+    parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has)")
+    parser.add_argument("--parallel", type=int, default=4, help="trainings sharing the GPU at once")
+    parser.add_argument("--regen-conversations", type=int, default=1024)
+    parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    parser.add_argument("--report", type=Path, help="only write the .md and .png of this quality_gpu.json")
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if args.report:
+        report = json.loads(args.report.read_text())
+        args.report.with_suffix(".md").write_text(markdown(report))
+        plot(report, args.report.with_suffix(".png"))
+        print(markdown(report))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    for phase in args.phases:
+        started = time.perf_counter()
+        PHASES[phase](bench)
+        bench.clock.phase(f"phase {phase}", time.perf_counter() - started)
+        bench.record("phase_seconds", bench.clock.phases)
+    print(markdown(bench.report))
+
+
+if __name__ == "__main__":
+    main()
