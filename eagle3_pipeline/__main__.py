@@ -4,6 +4,8 @@
     python -m eagle3_pipeline stand-ins [NAME ...]                                  # build stand-in targets
     python -m eagle3_pipeline stages                                                # the stages, in order
     python -m eagle3_pipeline config-reference                                      # docs/config.md
+    python -m eagle3_pipeline plan configs/kimi_k25.yaml --conversations 600000 --answer-tokens 1000 3000
+                                                                                    # GPU-hours per stage
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import yaml
 
 from eagle3_pipeline.config import ConfigError, load_config
 from eagle3_pipeline.config_reference import reference
+from eagle3_pipeline.plan import PlanError, render
 from eagle3_pipeline.stage_io import STAGES
 from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
 
 
-def main() -> int:
-    """The utility command named on the command line; its exit code."""
+def parser() -> argparse.ArgumentParser:
+    """The utility commands' command line."""
     parser = argparse.ArgumentParser(prog="python -m eagle3_pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -31,7 +34,13 @@ def main() -> int:
     build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
     commands.add_parser("stages", help="list the stages: script, module, what each reads and writes")
     commands.add_parser("config-reference", help="print docs/config.md: every knob, type, default, description")
-    args = parser.parse_args()
+    add_plan_parser(commands)
+    return parser
+
+
+def main() -> int:
+    """The utility command named on the command line; its exit code."""
+    args = parser().parse_args()
 
     if args.command == "stages":
         print_stages()
@@ -40,6 +49,13 @@ def main() -> int:
         print(reference(), end="")
         return 0
 
+    if args.command == "plan":
+        try:
+            print(plan_text(args), end="")
+        except (ConfigError, PlanError) as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "config":
         try:
             config = load_config(args.path, args.overrides)
@@ -55,6 +71,36 @@ def main() -> int:
     for name in args.names or BUILDERS:
         print(f"{name}: {ensure_stand_in(name)}")
     return 0
+
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="GPU-hours per stage for a config's data, per node layout, with the "
+                               "rates' sources")
+    plan.add_argument("path")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    positive = dict(type=positive_int, metavar="N")
+    plan.add_argument("--conversations", **positive, help="training conversations (default: the sum of the "
+                      "sources' limits; needed when a source has none)")
+    plan.add_argument("--answer-tokens", type=positive_int, nargs="+", metavar="T", help="generated tokens per answer, one "
+                      "column each (default: data.regenerate.max_tokens, the cap)")
+    plan.add_argument("--prompt-tokens", **positive, help="prompt tokens per conversation (default: 1000, assumed)")
+    plan.add_argument("--capture-nodes", **positive, help="capture nodes of the split layout (default: as many as "
+                      "keep the trainer nodes busy)")
+    plan.add_argument("--trainer-nodes", type=positive_int, default=1, metavar="N",
+                      help="trainer nodes of the split layout")
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def plan_text(args: argparse.Namespace) -> str:
+    """What `plan` prints for these parsed arguments."""
+    config = load_config(args.path, args.overrides)
+    return render(config, args.path, args.conversations, args.answer_tokens, args.prompt_tokens,
+                  args.capture_nodes, args.trainer_nodes)
 
 
 def print_stages() -> None:
