@@ -1,5 +1,6 @@
 """The exported draft in vLLM's own Eagle-3 model computes what 04's training forward computes, for the reference
-layout and for EAGLE 3.1 (`fc_norm` + `norm_output`).
+layout and for EAGLE 3.1 (`fc_norm` + `norm_output`); an EAGLE 3.1 export missing an fc_norm tensor loads in
+vLLM without a word, and both 06's static check and its weights probe report it.
 
 vLLM's `Eagle3LlamaForCausalLM` is built in this process from the engine config vLLM derives for SmolLM2 with the
 export as its draft, loads the export with its own `load_weights` (names, `midlayer.` renaming, d2t, the 3.1
@@ -19,9 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.export.format import export_state_dict, reference_config
+from eagle3_pipeline.export.format import export_state_dict, read_spec, reference_config
 from eagle3_pipeline.train.draft_model import build_draft, load_frozen_and_vocab
 from eagle3_pipeline.train.verifier import VerifierWeights
+from eagle3_pipeline.validate import weights_probe
+from eagle3_pipeline.validate.compare import BREAKING, static_differences
 from tests.train.test_draft_model import step_logits
 
 AUX_IDS, ROWS, STEPS, DRAFT_VOCAB = [2, 15, 27], 12, 3, 64
@@ -169,3 +172,28 @@ def test_vllm_serves_what_training_computes(layout, smollm2_dir, vllm_distribute
         for step, served_logits in enumerate(vllm_drafted_logits(config, served, aux, ids, row)):
             torch.testing.assert_close(served_logits, trained[step][0, row], rtol=2e-4, atol=2e-4,
                                        msg=lambda m, row=row, step=step: f"row {row} step {step}: {m}")
+
+
+@pytest.mark.vllm
+def test_a_missing_fc_norm_tensor_is_reported_by_the_static_check_and_the_weights_probe(smollm2_dir, vllm_distributed,
+                                                                                       tmp_path):
+    target_config = json.loads((smollm2_dir / "config.json").read_text())
+    hidden, vocab = target_config["hidden_size"], target_config["vocab_size"]
+    draft, model = trained_looking_draft(hidden, vocab, LAYOUTS["eagle31"])
+    folder = export_folder(tmp_path / "draft", draft, model, vocab)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["fc_norm.1.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+
+    # against its own spec: only the config.json's fc_norm can tell that the tensor is missing
+    differences = static_differences(folder, read_spec(folder), 256)
+    assert [(d.kind, d.where) for d in differences] == [(BREAKING, "tensor fc_norm.1.weight")]
+    assert "vLLM does not check it and runs the norm with its initial weight of ones" in differences[0].message
+
+    loads = len(weights_probe._loads)
+    _, served = vllm_draft(smollm2_dir, folder, model)  # loads without complaint
+    assert served.model.fc_norm[1].weight.eq(1).all()
+    report = {"loads": weights_probe._loads[loads:], "shared": ["model.embed_tokens.weight"]}
+    required = weights_probe.flagged_norms(json.loads((folder / "config.json").read_text()))
+    assert required == [f"model.fc_norm.{i}.weight" for i in range(3)]
+    assert weights_probe.skipped_parameters(report, required) == (["model.fc_norm.1.weight"], ["t2d"])
