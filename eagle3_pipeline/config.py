@@ -47,8 +47,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _one_aux_scaling(self) -> RunConfig:
-        if self.train.standardize_aux and self.draft.norm_before_fc:
-            raise ValueError("train.standardize_aux scales what draft.norm_before_fc normalises: set one of them")
+        # a per-channel scale before a per-row RMSNorm is not a scale of fc's columns: nothing to fold at export
+        for norm in ("norm_before_fc", "fc_norm"):
+            if self.train.standardize_aux and getattr(self.draft, norm):
+                raise ValueError(f"train.standardize_aux scales what draft.{norm} normalises: set one of them")
         return self
 
     def section(self, name: str) -> dict[str, Any]:

@@ -270,11 +270,17 @@ class DraftConfig(Section):
                                  "states before fc; false = reference")
     norm_output: bool = Field(False, description="true = each later TTT step reads the normed hidden state; "
                               "false = reference: the state before the final norm")
+    # EAGLE 3.1 = fc_norm and norm_output both true; vLLM >= 0.22 reads `fc_norm` from config.json
+    fc_norm: bool = Field(False, description="true = EAGLE 3.1: a separate RMSNorm (fc_norm.{i}) over each aux "
+                          "state before fc, instead of norm_before_fc's one over their concatenation; false = "
+                          "reference")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm both normalise fc's input: set one of them")
         return self
 
 

@@ -42,6 +42,7 @@ def floating_shapes(draft: DraftConfig, num_aux: int, target_vocab: int) -> dict
         "verifier_norm.weight": [hidden],
         "verifier_lm_head.weight": [draft.draft_vocab_size, hidden],
         **({"input_norm.weight": [num_aux * hidden]} if draft.norm_before_fc else {}),
+        **{f"fc_norm.{i}.weight": [hidden] for i in range(num_aux) if draft.fc_norm},
     }
 
 

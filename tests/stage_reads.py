@@ -18,8 +18,8 @@ from eagle3_pipeline.target import target_facts
 
 LOCATION = {"run_dir"}  # where a run lives, not what it makes
 # knobs that no other value of their own can change while the rest of the config stays valid
-BOUND = {"draft.norm_before_fc": "train.standardize_aux (on in the configs) scales what it normalises: the "
-                                 "config refuses both"}
+BOUND = {norm: "train.standardize_aux (on in the configs) scales what it normalises: the config refuses both"
+         for norm in ("draft.norm_before_fc", "draft.fc_norm")}
 
 
 def covering(name: str) -> tuple[str, ...]:

@@ -91,11 +91,19 @@ def test_overrides_go_through_validation(tmp_path):
         ("capture.aux_layer_ids=[2, 2]", "distinct"),
         # the demo standardises the aux states; an input norm would normalise them again
         ("draft.norm_before_fc=true", r"^[^{]*train.standardize_aux scales what draft.norm_before_fc normalises[^{]*$"),
+        ("draft.fc_norm=true", r"^[^{]*train.standardize_aux scales what draft.fc_norm normalises[^{]*$"),
     ],
 )
 def test_cross_field_rules(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(CONFIGS / "demo.yaml", [override])
+
+
+def test_one_norm_before_fc():
+    """norm_before_fc normalises the concatenated aux states, fc_norm each one: speculators refuses both."""
+    with pytest.raises(ConfigError, match="norm_before_fc and fc_norm both normalise fc's input"):
+        load_config(CONFIGS / "demo.yaml", ["train.standardize_aux=false", "draft.norm_before_fc=true",
+                                            "draft.fc_norm=true"])
 
 
 def test_regeneration_draft_is_a_folder_checked_at_load(tmp_path):

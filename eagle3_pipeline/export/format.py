@@ -59,7 +59,7 @@ def spec_format(config_json: dict) -> str:
 # ------------------------------------------------------------------------------------------- config.json
 def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[int], serving_len: int) -> dict:
     """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly (and
-    `norm_before_fc` / `norm_output` when on)."""
+    `norm_before_fc` / `fc_norm` / `norm_output` when on: vLLM reads them as top-level keys)."""
     return {
         "architectures": [REFERENCE_ARCHITECTURE],
         "model_type": "llama",
@@ -87,7 +87,7 @@ def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[in
         # written out, nobody has to know which default applies
         "norm_before_residual": draft.norm_before_residual,
         # off in the reference, which leaves them out; written only when on
-        **{flag: True for flag in ("norm_before_fc", "norm_output") if getattr(draft, flag)},
+        **{flag: True for flag in ("norm_before_fc", "fc_norm", "norm_output") if getattr(draft, flag)},
     }
 
 
@@ -113,6 +113,7 @@ def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
         norm_before_residual=bool(config_json.get("norm_before_residual", False)),
         norm_before_fc=bool(config_json.get("norm_before_fc", False)),
         norm_output=bool(config_json.get("norm_output", False)),
+        fc_norm=bool(config_json.get("fc_norm", False)),
     )
     return draft, list(aux or [0, 1, 2]), layer["vocab_size"]  # no ids: vLLM's default of 3 aux states
 

@@ -3,6 +3,8 @@
 Architecture (speculators 0.9.0 classes, every shape from the `draft:` config, nothing from the target):
 
     fc            Linear(n_aux * H -> H)        fuses the target's aux hidden states [h_2 | h_30 | h_58]
+    fc_norm.i     RMSNorm(H), one per aux state  `draft.fc_norm` only (EAGLE 3.1): fc reads [N_0(h_2) | N_1(h_30)
+                                                | N_2(h_58)], as vLLM's Eagle3LlamaForCausalLM.combine_hidden_states
     layers.0      LlamaDecoderEagle3FirstLayer  attention reads [input_layernorm(embed) | hidden_norm(hidden)]
                                                 (2H), q/k/v 2H -> heads x head_dim; residual = hidden BEFORE
                                                 hidden_norm (`norm_before_residual` false, as the reference)
@@ -10,8 +12,8 @@ Architecture (speculators 0.9.0 classes, every shape from the `draft:` config, n
     frozen        embed_tokens, verifier_norm, verifier_lm_head (the t2d rows of the target's lm_head)
 
 Where speculators 0.9.0's trainer differs from the reference (AQ-MedAI/Kimi-K25-eagle3, what vLLM runs) we
-override: `norm_before_fc`, `fc_norm`, `norm_output` off (its CLI turns them on; the first and last are
-`draft:` knobs, exported to config.json, which vLLM reads), no sliding window (a plain
+override: `norm_before_fc`, `fc_norm`, `norm_output` off (its CLI turns them on; all three are `draft:` knobs,
+exported to config.json, which vLLM reads; EAGLE 3.1 is fc_norm + norm_output), no sliding window (a plain
 LlamaConfig has none), lm_head trained (speculators freezes it) and initialised from the verifier's rows.
 
 Replaced: `Eagle3DraftModel.forward`. `Eagle3Draft.forward` below is our training-time-test unroll, because
@@ -32,8 +34,8 @@ Alignment (rows after the per-document shift done by `data.py`; x = tokens, h = 
                                 one it samples from when serving (the speculators/SpecForge convention)
 
 vLLM serves the same chain: its first draft pass feeds (next token, target hidden state) at the target's
-positions, and each later step feeds the sampled token and the draft's own pre-norm hidden state at
-position + 1. Training feeds the ground-truth token, which equals the draft's token exactly on the chains
+positions, and each later step feeds the sampled token and the draft's own hidden state (pre-norm; normed with
+`norm_output`) at position + 1. Training feeds the ground-truth token, which equals the draft's token exactly on the chains
 whose earlier tokens were accepted: the only ones whose later steps matter.
 """
 
@@ -73,6 +75,8 @@ class Eagle3Draft(Eagle3DraftModel):
             target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), plain=not self.loss_chunk_rows)
         if self.input_norm is not None:
             aux = self.input_norm(aux)
+        elif self.fc_norm is not None:  # each aux state normed on its own (EAGLE 3.1)
+            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
         elif getattr(self, "aux_scale", None) is not None:  # `train.standardize_aux`; folded into fc at export
             aux = aux * self.aux_scale.to(aux.dtype)  # bf16 states stay bf16: no float32 copy
         hidden = self.fc(aux)
@@ -183,7 +187,7 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
         draft_vocab_size=draft.draft_vocab_size,
         norm_before_residual=draft.norm_before_residual,
         norm_before_fc=draft.norm_before_fc,
-        fc_norm=False,
+        fc_norm=draft.fc_norm,
         norm_output=draft.norm_output,
         embed_requires_grad=False,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),

@@ -18,6 +18,7 @@ Callers need a `__main__` guard: vLLM spawns its engine process.
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Vision, request
 from eagle3_pipeline.engine import speculative_config, start_engine
 from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
-from eagle3_pipeline.validate.weights_probe import REPORT, skipped_parameters
+from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 
 
@@ -124,7 +125,8 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
         run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))
         if k:
-            record_weights(run, llm.collective_rpc(REPORT))
+            norms = flagged_norms(json.loads((export_dir / "config.json").read_text()))
+            record_weights(run, llm.collective_rpc(REPORT), norms)
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
         vision = Vision.of_engine(llm, model_dir)
         before = read_counters(llm.get_metrics(), k)
@@ -192,10 +194,11 @@ def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], pla
     return divergences
 
 
-def record_weights(run: EngineRun, reports: list[dict]) -> None:
-    """Parameters any worker left unloaded (tensor parallel: each worker loads its own shard)."""
+def record_weights(run: EngineRun, reports: list[dict], required: list[str]) -> None:
+    """Parameters any worker left unloaded (tensor parallel: each worker loads its own shard), `required` ones
+    (the norms the export's config turns on) included even where vLLM did not build them."""
     for report in reports:
-        skipped, ignored = skipped_parameters(report)
+        skipped, ignored = skipped_parameters(report, required)
         run.skipped_parameters = sorted(set(run.skipped_parameters) | set(skipped))
         run.ignored_tensors = sorted(set(run.ignored_tensors) | set(ignored))
         run.shared_parameters = sorted(set(run.shared_parameters) | set(report["shared"]))

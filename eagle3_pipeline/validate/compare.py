@@ -60,7 +60,8 @@ def compare_specs(actual: Spec, expected: Spec, serving_len: int) -> list[Differ
     fmt = spec_format(actual.config)
     differences = compare_tensors(actual.tensors, expected.tensors)
     differences += compare_configs(flatten(actual.config), flatten(expected.config), fmt, serving_len)
-    differences += self_consistency(actual)
+    reported = {d.where for d in differences}
+    differences += [d for d in self_consistency(actual) if d.where not in reported]
     return differences
 
 
@@ -94,8 +95,16 @@ def missing_tensor(name: str, want: dict, extra: dict) -> Difference:
     if name == "d2t":
         return Difference(BREAKING, where, "missing: vLLM keeps its draft-to-target map at zero, so draft id i "
                                            "proposes target token i")
+    if is_norm(name):
+        return Difference(BREAKING, where, f"missing {fmt_tensor(want)}: vLLM does not check it and runs the norm "
+                                           f"with its initial weight of ones{renamed_hint(want, extra, 'has its shape and dtype')}")
     return Difference(BREAKING, where, f"missing {fmt_tensor(want)}: vLLM leaves the parameter "
                                        f"uninitialised{renamed_hint(want, extra, 'has its shape and dtype')}")
+
+
+def is_norm(name: str) -> bool:
+    """An RMSNorm's weight: `norm.weight`, `midlayer.hidden_norm.weight`, `fc_norm.0.weight`, `input_norm.weight`."""
+    return any(part.endswith("norm") for part in name.split(".")[:-1])
 
 
 def extra_tensor(name: str, got: dict, missing: dict) -> Difference:
@@ -193,7 +202,8 @@ def aux_ids_difference(where: str, got: Any, want: Any) -> Difference:
 
 # ------------------------------------------------------------------------------------------ consistency
 def self_consistency(actual: Spec) -> list[Difference]:
-    """The export's tensors against the shapes its own config.json implies (catches a config edited alone)."""
+    """The export's tensors against the ones its own config.json implies (catches a config edited alone, and a
+    norm its flags ask for, such as EAGLE 3.1's `fc_norm.{i}.weight`, missing: vLLM would run it at ones)."""
     try:
         implied = implied_tensors(actual.config, spec_format(actual.config))
     except (KeyError, TypeError, ValueError) as err:
@@ -201,7 +211,9 @@ def self_consistency(actual: Spec) -> list[Difference]:
     differences = []
     for name, want in implied.items():
         got = actual.tensors.get(name)
-        if got is not None and list(got["shape"]) != list(want["shape"]):
+        if got is None and is_norm(name) and vllm_name(name) not in map(vllm_name, actual.tensors):
+            differences.append(missing_tensor(name, want, {}))
+        elif got is not None and list(got["shape"]) != list(want["shape"]):
             differences.append(Difference(BREAKING, f"tensor {name}", f"shape {got['shape']} does not fit the "
                                           f"export's own config.json, which implies {want['shape']}"))
     return differences

@@ -13,11 +13,17 @@ that from each worker, plus the draft parameters that are the target's own tenso
 lm_head where the draft has none): found by storage, whichever model runner holds the draft (V1 names it
 `runner.drafter`, Model Runner V2 `runner.speculator`; `runner.get_draft_model()` is on both) and whatever
 flags vLLM set while sharing.
+
+A norm the export's config.json asks for (EAGLE 3.1's `fc_norm`: one per aux state; `norm_before_fc`'s
+`input_norm`) is a parameter only where vLLM read the flag, and runs at its initial ones where the tensor is
+missing: `flagged_norms` names the parameters vLLM must have loaded for those flags.
 """
 
 from __future__ import annotations
 
 import functools
+
+from eagle3_pipeline.export.format import draft_fields
 
 REPORT = "draft_weights_report"
 
@@ -80,12 +86,20 @@ def shared_parameters(draft, target) -> list[str]:
                   if p.numel() and p.untyped_storage().data_ptr() in target_storage)
 
 
-def skipped_parameters(report: dict) -> tuple[list[str], list[str]]:
-    """(draft parameters neither loaded nor shared from the target, received tensors vLLM dropped knowingly)."""
+def flagged_norms(config_json: dict) -> list[str]:
+    """The vLLM parameter names of the norms an export's config.json turns on (either format)."""
+    draft, aux, _ = draft_fields(config_json)
+    return ((["model.input_norm.weight"] if draft.norm_before_fc else [])
+            + [f"model.fc_norm.{i}.weight" for i in range(len(aux)) if draft.fc_norm])
+
+
+def skipped_parameters(report: dict, required: list[str] = ()) -> tuple[list[str], list[str]]:
+    """(draft parameters neither loaded nor shared from the target, `required` ones (`flagged_norms`) among
+    them whether vLLM built them or not; received tensors vLLM dropped knowingly)."""
     if not report["loads"]:
         return ["<no Eagle-3 Llama draft was loaded: is the export's architecture one vLLM maps to it?>"], []
     load = report["loads"][-1]
-    skipped = sorted(set(load["parameters"]) - set(load["loaded"]) - set(report["shared"]))
+    skipped = sorted((set(load["parameters"]) | set(required)) - set(load["loaded"]) - set(report["shared"]))
     ignored = sorted(name for name in load["received"] if name.endswith("t2d"))
     return skipped, ignored
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -24,7 +25,11 @@ from eagle3_pipeline.export.format import (
 from eagle3_pipeline.export.stage import meta_draft, run_spec
 from eagle3_pipeline.reference import REFERENCE_DRAFT_SPEC
 from eagle3_pipeline.stage_io import StageError, read_manifest
+from eagle3_pipeline.train import loop
+from eagle3_pipeline.validate.compare import static_differences
+from eagle3_pipeline.validate.stage import expected_spec
 from tests.conftest import CONFIGS, run_python
+from tests.train.fabricate import tiny_run
 from tests.validate.runs import trained_tiny_run
 
 REFERENCE = json.loads(REFERENCE_DRAFT_SPEC.read_text())
@@ -34,6 +39,9 @@ JUSTIFIED = {
     # for the speculators format, so the explicit value removes the doubt (same semantics as the reference)
     "norm_before_residual": False,
 }
+
+
+EAGLE31 = ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false"]
 
 
 def test_norm_knobs_reach_the_export_config_and_tensors():
@@ -48,12 +56,29 @@ def test_norm_knobs_reach_the_export_config_and_tensors():
     draft, _, _ = draft_fields(run_spec(config, "reference").config)
     assert draft.norm_before_fc and draft.norm_output
     plain = run_spec(load_config(CONFIGS / "tiny_kimi.yaml"), "reference")  # the reference layout leaves them out
-    assert not {"norm_before_fc", "norm_output"} & plain.config.keys() and "input_norm.weight" not in plain.tensors
+    assert not {"norm_before_fc", "fc_norm", "norm_output"} & plain.config.keys()
+    assert not any("input_norm" in name or "fc_norm" in name for name in plain.tensors)
+
+
+def test_eagle31_keys_and_tensors_in_both_formats():
+    """EAGLE 3.1: the top-level keys vLLM reads (its speculators reader passes them on) and one norm per aux state."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    config = load_config(CONFIGS / "tiny_kimi.yaml", EAGLE31)
+    for fmt in ("reference", "speculators"):
+        spec = run_spec(config, fmt)
+        assert (spec.config["fc_norm"], spec.config["norm_output"]) == (True, True), fmt
+        assert {n: t for n, t in spec.tensors.items() if n.startswith("fc_norm.")} == {
+            f"fc_norm.{i}.weight": {"shape": [config.draft.hidden_size], "dtype": "bfloat16"} for i in range(3)}, fmt
+        assert draft_fields(spec.config)[0].fc_norm, fmt
+    read = SpeculatorsConfig.extract_transformers_pre_trained_config(run_spec(config, "speculators").config)
+    assert (read["fc_norm"], read["norm_output"], read["norm_before_fc"]) == (True, True, False)
 
 
 @pytest.mark.parametrize("name, knobs", [
     ("kimi_k25", []), ("demo", []),
     ("tiny_kimi", ["draft.norm_before_fc=true", "draft.norm_output=true", "train.standardize_aux=false"]),
+    ("tiny_kimi", EAGLE31),
 ])
 def test_the_tensors_a_config_implies_are_the_ones_training_builds(name, knobs):
     """06 computes the shapes from config.json alone; they must be what speculators' draft class builds."""
@@ -169,3 +194,32 @@ def test_checkpoint_of_another_draft_shape_is_refused(exported, tmp_path):
     reference = json.loads((config.run_dir / "05_export" / "reference" / "config.json").read_text())
     with pytest.raises(StageError, match=r"does not fit the `draft:` config .* fc.weight \[64, 10\] != \[64, 192\]"):
         export.load_checkpoint_state(tmp_path, reference)
+
+
+def test_eagle31_export_round_trip_and_static_check(tmp_path):
+    """A draft trained with fc_norm + norm_output: both folders hold the checkpoint's fc_norm tensors and the 3.1
+    keys, 06's static check passes them, and names an fc_norm tensor deleted from the export."""
+    config, path = tiny_run(tmp_path, draft={"fc_norm": True, "norm_output": True}, standardize_aux=False)
+    loop.run(config)
+    export.run(config)
+    checkpoint = load_file(str(config.run_dir / "04_train" / "checkpoints" / "step_6" / "model.safetensors"))
+    manifest = read_manifest(config.run_dir / "05_export")
+    for fmt in ("reference", "speculators"):
+        folder = config.run_dir / "05_export" / fmt
+        tensors = load_file(str(folder / "model.safetensors"))
+        for i in range(3):
+            name = f"fc_norm.{i}.weight"
+            assert torch.equal(tensors[name], checkpoint[name].to(torch.bfloat16)), (fmt, name)
+        assert not torch.equal(tensors["fc_norm.0.weight"], torch.ones_like(tensors["fc_norm.0.weight"]))  # trained
+        cfg = json.loads((folder / "config.json").read_text())
+        assert (cfg["fc_norm"], cfg["norm_output"]) == (True, True), fmt
+        assert static_differences(folder, expected_spec(config, fmt, manifest), 2048) == [], fmt
+    broken = tmp_path / "broken"
+    shutil.copytree(config.run_dir / "05_export" / "reference", broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["fc_norm.2.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    result = run_python("06_validate.py", "--config", str(path), "--check", str(broken))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("| breaking | tensor fc_norm.2.weight | missing [64] bfloat16: vLLM does not check it and runs the norm "
+            "with its initial weight of ones |") in result.stdout

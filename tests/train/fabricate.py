@@ -51,7 +51,7 @@ def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["v
     return folder
 
 
-def tiny_run_config(run_dir: Path, target_dir: Path, capture: dict | None = None,
+def tiny_run_config(run_dir: Path, target_dir: Path, capture: dict | None = None, draft: dict | None = None,
                     **train: object) -> tuple[RunConfig, Path]:
     """configs/demo.yaml shrunk to the tiny target; returns the config and the YAML file the scripts read."""
     tree = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
@@ -60,7 +60,7 @@ def tiny_run_config(run_dir: Path, target_dir: Path, capture: dict | None = None
     tree["capture"] |= {"aux_layer_ids": TINY["aux_layer_ids"], **(capture or {})}
     tree["draft"] = {"hidden_size": TINY["hidden"], "num_attention_heads": 2, "num_key_value_heads": 1,
                      "head_dim": 32, "intermediate_size": 128, "draft_vocab_size": 128, "rope_theta": 10000.0,
-                     "max_position_embeddings": 1024, "rms_norm_eps": 1e-6}
+                     "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, **(draft or {})}
     tree["train"] = {"max_steps": 6, "packed_length": 64, "learning_rate": 3e-3, "warmup_steps": 2,
                      "mixed_precision": "no", "checkpoint_every": 3, "eval_every": 3, "log_every": 1,
                      "num_workers": 0, **train}
@@ -102,12 +102,13 @@ def write_vocab_stage(config: RunConfig) -> None:
     vocab.run(config)
 
 
-def tiny_run(tmp_path: Path, name: str = "run", **train: object) -> tuple[RunConfig, Path]:
-    """A finished 01/02/03 on the tiny target with random states; returns the config and its YAML file."""
+def tiny_run(tmp_path: Path, name: str = "run", draft: dict | None = None, **train: object) -> tuple[RunConfig, Path]:
+    """A finished 01/02/03 on the tiny target with random states (`draft` overrides the draft section); returns
+    the config and its YAML file."""
     target = tmp_path / "target"
     if not (target / "config.json").exists():
         tiny_target(target)
-    config, path = tiny_run_config(tmp_path / name, target, **train)
+    config, path = tiny_run_config(tmp_path / name, target, draft=draft, **train)
     train_samples = random_samples(24, TINY["vocab"], seed=1, prefix="t")
     eval_samples = random_samples(6, TINY["vocab"], seed=2, prefix="e")
     write_data_stage(config, train_samples, eval_samples, TINY["vocab"])

@@ -56,7 +56,7 @@ HIDDEN, VOCAB, DRAFT_VOCAB, AUX = 32, 96, 48, 3
 DRAFT = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=64, draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0, rope_scaling=None,
                         max_position_embeddings=256, rms_norm_eps=1e-6, norm_before_residual=False,
-                        norm_before_fc=False, norm_output=False)
+                        norm_before_fc=False, norm_output=False, fc_norm=False)
 
 
 def tiny_model(attention: str = "sdpa", **flags):
