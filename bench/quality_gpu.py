@@ -7,17 +7,18 @@ at the largest budget, three seeds there, and regeneration with the trained draf
 Phases (each skips the work a rerun finds complete; `--phases` picks some):
 
     data     stages 01-03 once on bench/quality_gpu.yaml: SmolLM2-135M-Instruct regenerates every answer, five
-             held-out eval benchmarks (MT-Bench both turns, HumanEval, GSM8K, MATH500, BFCL when installed)
+             held-out eval benchmarks (MT-Bench both turns, HumanEval, GSM8K, MATH500, BFCL where the
+             target's template renders tools)
     train    the curve (our trainer and `speculators train` at each of --curve-steps, seed 0: speculators gets the
              tokens ours trains on at that step count, same batch shape), seeds 1 and 2 at the largest point, and
              each lever of LEVERS at the largest point (ours, seed 0); --parallel trainings share the GPU. Every
              draft is scored by one shared evaluator on the GPU (bench/draft_eval.py: 04's simulated acceptance
              length per eval benchmark at k=3, teacher-forced accuracies)
-    serve    vLLM's own counters (06's `serve`, CUDA graphs off: acceptance does not depend on them) for the final
-             rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever
     regen    01's regeneration of --regen-conversations magpie conversations at 01's concurrency, without and
              with the largest seed-0 draft of ours as its speculative draft (`data.regenerate.speculative`): the
              generated tokens/s and acceptance 01's stats.json reports, alone on the GPU
+    serve    vLLM's own counters (06's `serve`, CUDA graphs off: acceptance does not depend on them) for the final
+             rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever
 
 Writes <out>/quality_gpu.json after every draft, so a lease cut short keeps what was measured; `--report` turns it
 into quality_gpu.md and quality_gpu.png beside it.
@@ -67,7 +68,7 @@ LEVERS: dict[str, list[str]] = {
     "loss-tv": ["train.loss=tv"],
     "loss-lk": ["train.loss=lk"],
     "lr-warmup5pc-cosine-to-0": ["train.warmup_steps={warmup}", "train.min_lr_ratio=0.0"],
-    "lr-3e-3": ["train.learning_rate=3e-3"],
+    "lr-3e-3": ["train.learning_rate=3.0e-3"],
     "fp8": ["train.fp8=true"],
 }
 LOCK = threading.Lock()
@@ -215,8 +216,10 @@ def phase_serve(bench: Bench) -> None:
               and not n.startswith(("ours-", "speculators-"))]
     if levers:
         chosen.append(max(levers, key=lambda n: drafts[n]["shared_eval"][metric_key(K)]))
-    config = bench.config.model_copy(deep=True)
-    config.target.engine.enforce_eager = True  # acceptance does not depend on CUDA graphs; no compilation
+    from eagle3_pipeline.config import load_config
+
+    # acceptance does not depend on CUDA graphs: no compilation
+    config = load_config(bench.args.config, [f"run_dir={bench.shared}", "target.engine.enforce_eager=true"])
     prompts = eval_prompts(config)
     served = bench.report.setdefault("served", {})
     for name in chosen:
@@ -381,7 +384,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- main
-PHASES = {"data": phase_data, "train": phase_train, "serve": phase_serve, "regen": phase_regen}
+PHASES = {"data": phase_data, "train": phase_train, "regen": phase_regen, "serve": phase_serve}
 
 
 def main() -> None:
@@ -389,10 +392,10 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--work", type=Path, default=Path("runs/bench_quality_gpu"))
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 80, 160, 320, 640],
+    parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                         help="our optimizer steps (one 8192-row pack each) at each curve point")
     parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has)")
-    parser.add_argument("--parallel", type=int, default=4, help="trainings sharing the GPU at once")
+    parser.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
     parser.add_argument("--regen-conversations", type=int, default=1024)
     parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     parser.add_argument("--report", type=Path, help="only write the .md and .png of this quality_gpu.json")
