@@ -318,8 +318,18 @@ class TrainConfig(Section):
     compile: bool = Field(
         False, description="GPU: torch.compile the whole TTT unroll (every step's decoder layer, norms, head, loss)"
     )
+    loss: Literal["kl", "tv", "lk", "lk_alpha"] = Field(
+        "kl", description="per counted row, p = the verifier's distribution, q = the draft's, alpha = sum min(p, q) "
+        "(a draft token's acceptance rate): kl = KL(p || q); tv = 1 - alpha; lk = lambda KL + (1 - lambda) "
+        "(1 - alpha) with lambda = exp(-lk_eta alpha), alpha in lambda not differentiated (LK^lambda, arXiv "
+        "2602.23881); lk_alpha = -log alpha (LK^alpha). Metrics keep loss_<k> = KL and add <loss>_<k>"
+    )
+    lk_eta: float = Field(
+        3.0, gt=0, description="loss lk: a larger eta hands the loss from KL to TV at a lower alpha (3.0: speculators' "
+        "and TorchSpec's default)"
+    )
     loss_chunk_rows: int | None = Field(
-        None, ge=1, description="fuse lm_head and the KL loss, this many rows at a time, so a step's [rows, draft "
+        None, ge=1, description="fuse lm_head and the loss, this many rows at a time, so a step's [rows, draft "
         "vocab] float32 logits and targets are never all materialised; null = the plain head and loss"
     )
     fp8: bool = Field(

@@ -48,16 +48,17 @@ from transformers import DynamicCache, LlamaConfig
 
 from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.train.attention import ttt_masks
-from eagle3_pipeline.train.loss import chunked_head_kl
+from eagle3_pipeline.train.loss import FORWARD_KL, Objective, acceptance, chunked_head_loss
 from eagle3_pipeline.train.verifier import VerifierWeights
 
-STATS = ("kl_sum", "correct", "count")  # rows of the per-step statistics forward returns
+STATS = ("kl_sum", "correct", "count", "loss_sum")  # rows of the per-step statistics forward returns
 
 
 class Eagle3Draft(Eagle3DraftModel):
     """speculators' Eagle3DraftModel, trained with our training-time-test forward."""
 
     loss_chunk_rows: int | None = None  # `train.loss_chunk_rows` (set by `accelerate_draft`); None = plain loss
+    objective: Objective = FORWARD_KL  # `train.loss` (set by `accelerate_draft`)
 
     def forward(self, aux, final, input_ids, position_ids, document_ids, loss_mask, ttt_steps, step_weights):
         """Weighted TTT loss, per-step statistics [len(STATS), ttt_steps] and the draft's top-1 per step and row
@@ -72,7 +73,8 @@ class Eagle3Draft(Eagle3DraftModel):
 
     def unroll(self, masks, aux, final, input_ids, position_ids, document_ids, loss_mask, step_weights):
         with torch.no_grad():
-            target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), plain=not self.loss_chunk_rows)
+            target = VerifierTargets(self.verifier_lm_head(self.verifier_norm(final)), self.objective,
+                                     plain=not self.loss_chunk_rows)
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         elif self.fc_norm is not None:  # each aux state normed on its own (EAGLE 3.1)
@@ -117,10 +119,11 @@ def standardize_aux(model: Eagle3Draft, batches: list[dict], accelerator) -> Non
 
 
 class VerifierTargets:
-    """The verifier's distribution over the draft vocab at every row, and the loss against it."""
+    """The verifier's distribution over the draft vocab at every row, and the loss against it (`objective`)."""
 
-    def __init__(self, logits: torch.Tensor, plain: bool = True):
+    def __init__(self, logits: torch.Tensor, objective: Objective = FORWARD_KL, plain: bool = True):
         self.logits = logits  # [B, L, draft vocab]; the chunked loss reads these, a chunk at a time
+        self.objective = objective
         self.top1 = logits.argmax(-1)
         if plain:
             logp = F.log_softmax(logits.float(), dim=-1)
@@ -134,7 +137,7 @@ class VerifierTargets:
         return loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
 
     def distill(self, logits, loss_mask, document_ids, step):
-        """Forward KL(verifier || draft), mean over counted rows (the target of row t is row t+step's); the
+        """The objective's loss (loss.py), mean over counted rows (the target of row t is row t+step's); the
         statistics; the draft's top-1 at each row that has a step-`step` target."""
         counted = self.counted(loss_mask, document_ids, step)
         draft_logits = logits[:, :counted.shape[1]].float()
@@ -142,23 +145,27 @@ class VerifierTargets:
         cross_entropy = F.cross_entropy(draft_logits.flatten(0, 1), self.p[:, step:].flatten(0, 1),
                                         reduction="none").view_as(counted)
         kl = self.neg_entropy[:, step:] + cross_entropy
+        alpha = acceptance(self.p[:, step:], draft_logits.softmax(-1)) if self.objective.needs_alpha else None
+        row_loss = self.objective.row_loss(kl, alpha)
         count = counted.sum()
-        loss = (kl * counted).sum() / count.clamp(min=1)
+        loss = (row_loss * counted).sum() / count.clamp(min=1)
         top1 = draft_logits.argmax(-1)
-        return loss, self._stats(kl, top1, counted, step), top1
+        return loss, self._stats(kl, row_loss, top1, counted, step), top1
 
     def distill_chunked(self, hidden, head_weight, loss_mask, document_ids, step, chunk_rows):
         """`distill(lm_head(hidden), ...)` with the head and the loss fused, `chunk_rows` rows at a time."""
         counted = self.counted(loss_mask, document_ids, step)
         row_weight = counted / counted.sum().clamp(min=1)
-        loss, kl, top1 = chunked_head_kl(hidden[:, :counted.shape[1]].flatten(0, 1), head_weight,
-                                         self.logits[:, step:].flatten(0, 1), row_weight.flatten(), chunk_rows)
+        loss, row_loss, kl, top1 = chunked_head_loss(
+            hidden[:, :counted.shape[1]].flatten(0, 1), head_weight, self.logits[:, step:].flatten(0, 1),
+            row_weight.flatten(), chunk_rows, self.objective)
         top1 = top1.view_as(counted)
-        return loss, self._stats(kl.view_as(counted), top1, counted, step), top1
+        return loss, self._stats(kl.view_as(counted), row_loss.view_as(counted), top1, counted, step), top1
 
-    def _stats(self, kl, draft_top1, counted, step):
+    def _stats(self, kl, row_loss, draft_top1, counted, step):
         correct = ((draft_top1 == self.top1[:, step:]) & counted).sum()
-        return torch.stack([(kl.detach() * counted).sum(), correct.float(), counted.sum().float()])
+        return torch.stack([(kl.detach() * counted).sum(), correct.float(), counted.sum().float(),
+                            (row_loss.detach() * counted).sum()])
 
 
 def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attention: str,
@@ -199,13 +206,15 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
 
 
 def accelerate_draft(model: Eagle3Draft, train, device: torch.device) -> None:
-    """Apply `train.fp8`, `train.loss_chunk_rows` and `train.compile` (in that order) to a built draft.
+    """Apply `train.loss` (and `lk_eta`), `train.fp8`, `train.loss_chunk_rows` and `train.compile` (in that order)
+    to a built draft.
 
     compile: the whole TTT unroll (every step's decoder layer, norms, head and loss, and the verifier head)
     becomes one torch.compile region, forward and backward; the masks are built outside it, once per batch.
     (speculators' decoder layer forces a graph break in each call under torch >= 2.10, so a few graphs.)
     """
     model.loss_chunk_rows = train.loss_chunk_rows
+    model.objective = Objective(train.loss, train.lk_eta)
     if train.fp8:
         float8_training(model, device)
     if train.compile and device.type == "cuda":

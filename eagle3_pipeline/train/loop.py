@@ -27,10 +27,17 @@ from eagle3_pipeline.train.acceptance import chain_metrics, is_served, replay_ba
 from eagle3_pipeline.train.attention import resolve_attention
 from eagle3_pipeline.train.checkpoint import adopt_split, load_checkpoint, save_checkpoint, step_dirs
 from eagle3_pipeline.train.data import PackedRows, RankPacks, rank_share
-from eagle3_pipeline.train.draft_model import accelerate_draft, build_draft, load_frozen_and_vocab, standardize_aux
+from eagle3_pipeline.train.draft_model import (
+    STATS,
+    accelerate_draft,
+    build_draft,
+    load_frozen_and_vocab,
+    standardize_aux,
+)
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
 from eagle3_pipeline.train.inputs import Inputs, read_inputs, wait_for_stream
-from eagle3_pipeline.train.metrics import MetricsLog, eval_summary, summarize
+from eagle3_pipeline.train.loss import LOSSES
+from eagle3_pipeline.train.metrics import MetricsLog, eval_summary, summarize, trained_loss_key
 from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
 from eagle3_pipeline.train.verifier import load_verifier_weights
 
@@ -93,8 +100,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
         if step % train.log_every == 0 or step == train.max_steps:
             values = meter.report(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
             log.log(step, "train", values)
-            progress.set_postfix(loss=f"{values['loss_0']:.3f}", acc0=f"{values['acc_0']:.3f}",
-                                 tok_s=f"{values['tokens_per_s']:.0f}")
+            progress.set_postfix({train.loss: f"{values[trained_loss_key(train.loss, 0)]:.3f}",
+                                  "acc0": f"{values['acc_0']:.3f}", "tok_s": f"{values['tokens_per_s']:.0f}"})
         if inputs.eval_rows is not None and (step % train.eval_every == 0 or step == train.max_steps):
             eval_values = evaluate(model, inputs, config, accelerator, step_weights, float_dtype)
             log.log(step, "eval", eval_values)
@@ -218,6 +225,9 @@ def describe(config: RunConfig, inputs: Inputs, model, accelerator, packs_per_st
     elif inputs.eval_rows is not None:
         print("04_train: eval does not simulate acceptance: the eval answers are not the target's greedy ones "
               "(data.regenerate enabled at eval_temperature 0 makes them so)")
+    eta = f", lk_eta {train.lk_eta}" if train.loss == "lk" else ""
+    recorded = "" if train.loss == "kl" else f"; recorded as {train.loss}_<k>, loss_<k> stays the forward KL"
+    print(f"04_train: loss {train.loss} = {LOSSES[train.loss]} per counted row{eta}{recorded}")
     print(f"04_train: draft {trainable / 1e6:.1f} M trainable + {frozen / 1e6:.1f} M frozen parameters, "
           f"{per_token / 1e9:.2f} GFLOP per token at {train.ttt_steps} TTT steps (+ attention), "
           f"precision {train.mixed_precision}")
@@ -290,7 +300,7 @@ class Throughput:
         seconds = time.perf_counter() - self.since
         tokens, keys = int(counts[0]), int(counts[1])
         self.total_tokens += tokens
-        values = {**summarize(stats), **extra, "tokens_per_s": tokens / seconds,
+        values = {**summarize(stats, self.config.train.loss), **extra, "tokens_per_s": tokens / seconds,
                   "data_wait_frac": self.data_wait / seconds}  # of the main process; 1.0 = training starved
         if self.peak:
             flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys,
@@ -313,7 +323,7 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
     sources = sorted({sample["source"] for sample in inputs.eval_samples})
     chains = {(source, k): AcceptanceCounts(k) for source in sources for k in ks}
     d2t = accelerator.unwrap_model(model).d2t
-    stats = torch.zeros(3, steps, device=accelerator.device)
+    stats = torch.zeros(len(STATS), steps, device=accelerator.device)
     for index, batch in enumerate(_loader(inputs.eval_rows, packs, train, accelerator)):
         batch = to_device(batch, accelerator.device, float_dtype)
         _, batch_stats, top1 = model(**batch, ttt_steps=steps, step_weights=weights)
@@ -322,7 +332,7 @@ def evaluate(model, inputs: Inputs, config: RunConfig, accelerator, step_weights
             batch_packs = packs[index * train.micro_batch_size:(index + 1) * train.micro_batch_size]
             replay_batch(target_proposals(top1, d2t), batch, [pack for _, pack in batch_packs], inputs.eval_samples,
                          config.validate_.max_tokens, chains)
-    values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"))
+    values = summarize(accelerator.reduce(stats[:, :train.ttt_steps], "sum"), train.loss)
     if not ks:
         return values
     counts = torch.tensor([c.as_list() for c in chains.values()], dtype=torch.float64, device=accelerator.device)

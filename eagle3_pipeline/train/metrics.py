@@ -1,6 +1,8 @@
 """Training metrics: per TTT step loss and top-1 accuracy, on train and eval; written three ways.
 
     metrics.jsonl   one JSON record per log or eval point: {"step", "split", "loss_0", "acc_0", ..., "lr", ...},
+                    loss_<k> the forward KL whatever `train.loss`; with train.loss tv, lk or lk_alpha also that
+                    loss as <train.loss>_<k> (`tv_0`, ...), the one trained;
                     and per step the packs it trained on: {"step", "split": "batch", "packs": [{"position",
                     "epoch", "samples"}, ...]}
     tensorboard/    the same scalars (`tensorboard --logdir <run_dir>/04_train/tensorboard`)
@@ -26,14 +28,22 @@ from eagle3_pipeline.stage_io import atomic_path, save_figure_atomic
 from eagle3_pipeline.train.draft_model import STATS
 
 
-def summarize(stats: torch.Tensor) -> dict[str, float]:
-    """Per TTT step mean loss and accuracy from summed statistics [len(STATS), ttt_steps]."""
-    kl_sum, correct, count = (stats[STATS.index(name)].double().cpu() for name in STATS)
+def trained_loss_key(loss: str, step: int) -> str:
+    """The record key of the mean `train.loss` at TTT step `step`."""
+    return f"loss_{step}" if loss == "kl" else f"{loss}_{step}"
+
+
+def summarize(stats: torch.Tensor, loss: str = "kl") -> dict[str, float]:
+    """Per TTT step mean KL, accuracy and (`loss`, `train.loss`, not kl) mean loss from summed statistics
+    [len(STATS), ttt_steps]."""
+    kl_sum, correct, count, loss_sum = (stats[STATS.index(name)].double().cpu() for name in STATS)
     count = count.clamp(min=1)
     values = {}
     for step in range(stats.shape[1]):
         values[f"loss_{step}"] = float(kl_sum[step] / count[step])
         values[f"acc_{step}"] = float(correct[step] / count[step])
+        if loss != "kl":
+            values[trained_loss_key(loss, step)] = float(loss_sum[step] / count[step])
     return values
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,6 +64,23 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys, choices):
 
     loop.run(resumed, resume=True)  # finished: a no-op
     assert "already complete" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss,chunk_rows", [("kl", None), ("tv", None), ("lk", 16), ("lk_alpha", 16)])
+def test_each_loss_trains_the_draft(tmp_path, capsys, loss, chunk_rows):
+    """A short run per `train.loss` (the plain path or the fused, chunked one): the trained loss is recorded
+    under its name beside the KL, and falls on the eval split from eval to eval."""
+    config, _ = tiny_run(tmp_path, loss=loss, loss_chunk_rows=chunk_rows, eval_every=2)
+    loop.run(config)
+    assert f"04_train: loss {loss} = " in capsys.readouterr().out
+    key = "loss_0" if loss == "kl" else f"{loss}_0"
+    train, evals = records(config.run_dir), records(config.run_dir, "eval")
+    assert all({*LEARNED, key} <= record.keys() for record in [*train.values(), *evals.values()])
+    assert all(math.isfinite(record[name]) for record in train.values() for name in (*LEARNED, key))
+    curve = [evals[step][key] for step in sorted(evals)]
+    print(f"{loss}: eval {key} at steps {sorted(evals)}: {curve}")
+    assert sorted(evals) == [2, 4, 6] and curve[0] > curve[1] > curve[2] and train[6][key] < train[1][key]
 
 
 @pytest.mark.slow
