@@ -67,6 +67,7 @@ LEVERS: dict[str, list[str]] = {
     "ttt7-decay0.8": ["train.ttt_steps=7", f"train.ttt_step_weights={TTT_DECAY}"],
     "loss-tv": ["train.loss=tv"],
     "loss-lk": ["train.loss=lk"],
+    "loss-lk_alpha": ["train.loss=lk_alpha"],
     "lr-warmup5pc-cosine-to-0": ["train.warmup_steps={warmup}", "train.min_lr_ratio=0.0"],
     "lr-3e-3": ["train.learning_rate=3.0e-3"],
     "fp8": ["train.fp8=true"],
@@ -123,12 +124,15 @@ def phase_data(bench: Bench) -> None:
 
 # ---------------------------------------------------------------------------------------------------- train
 def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
-    """(name, trainer, steps, seed, extra overrides) of every draft, the largest ones first."""
+    """(name, trainer, steps, seed, extra overrides) of every draft, in the order they matter: the curve from its
+    largest point (both trainers), the seeds, then the levers."""
     from eagle3_pipeline.config import ConfigError, load_config
 
     largest = max(args.curve_steps)
-    jobs = [(f"ours-{steps}-s0", "ours", steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)]
-    jobs += [(f"ours-{largest}-s{seed}", "ours", largest, seed, []) for seed in (1, 2)]
+    jobs = [(f"{trainer}-{steps}-s0", trainer, steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)
+            for trainer in ("ours", "speculators")]
+    jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, []) for seed in (1, 2)
+             for trainer in ("ours", "speculators")]
     for lever, overrides in LEVERS.items():
         if args.levers and lever not in args.levers:
             continue
@@ -139,8 +143,6 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
             print(f"lever {lever} skipped: {err}", flush=True)
             continue
         jobs.append((f"{lever}-{largest}-s0", "ours", largest, 0, overrides))
-    jobs += [(f"speculators-{steps}-s0", "speculators", steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)]
-    jobs += [(f"speculators-{largest}-s{seed}", "speculators", largest, seed, []) for seed in (1, 2)]
     return jobs
 
 
