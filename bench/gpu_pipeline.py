@@ -192,10 +192,10 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
         if name == "06_validate":
             report = json.loads((run_dir / name / "report.json").read_text()) if (run_dir / name / "report.json").exists() else {}
             record["validate"] = {key: report.get(key) for key in
-                                  ("verdict", "problems", "mean_acceptance_length", "greedy_identical_fraction",
-                                   "without_speculation", "speed")}
+                                  ("verdict", "problems", "mean_acceptance_length", "mean_request_acceptance_length",
+                                   "greedy_identical_fraction", "without_speculation", "speed")}
             record["validate"]["runs"] = [{k: r.get(k) for k in ("num_speculative_tokens", "mean_acceptance_length",
-                                            "simulated_mean_acceptance_length", "tokens_per_s", "speedup", "speed",
+                                            "mean_request_acceptance_length", "simulated_mean_acceptance_length", "tokens_per_s", "speedup", "speed",
                                             "skipped_parameters", "shared_from_target")} for r in report.get("runs", [])]
         for manifest in (run_dir / name).glob("manifest.json"):
             stage["manifest"] = {k: v for k, v in json.loads(manifest.read_text()).items()

@@ -8,7 +8,9 @@ acceptance per source and overall:
     mean acceptance length   1 + accepted / drafts          (tokens per target forward pass)
     acceptance at position i accepted_per_pos[i] / drafts   (draft token i+1 accepted, the ones before it too)
 
-as `eagle3_pipeline.acceptance.AcceptanceCounts`, the type 04's simulation produces too.
+as `eagle3_pipeline.acceptance.AcceptanceCounts`, the type 04's simulation produces too. Beside these pooled
+figures, the eval batch records the tokens each engine step emitted per request (request_steps.py): the mean
+over requests of each request's own acceptance length.
 
 Then the first `validate.latency_prompts` prompts run one at a time, for latency and step times (speed.py).
 
@@ -28,6 +30,12 @@ from eagle3_pipeline.acceptance import AcceptanceCounts, read_counters
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Vision, request
 from eagle3_pipeline.engine import speculative_config, start_engine
+from eagle3_pipeline.validate.request_steps import (
+    RequestSteps,
+    mean_request_acceptance_length,
+    recorded_steps,
+    request_steps,
+)
 from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
@@ -56,12 +64,22 @@ class Counted:
         return self.counts.acceptance_per_position
 
 
+class RequestCounted(Counted):
+    """A run, or a part of one, with each request's engine steps besides vLLM's counts."""
+
+    requests: list[RequestSteps]
+
+    @property
+    def mean_request_acceptance_length(self) -> float | None:
+        return mean_request_acceptance_length(self.requests)
+
+
 @dataclass
-class SourceCounts(Counted):
-    """The spec-decode counts of one eval source's prompts (the difference of two readings)."""
+class SourceCounts(RequestCounted):
+    """One eval source's prompts: vLLM's spec-decode counts (the difference of two readings), each request's steps."""
 
     counts: AcceptanceCounts
-    prompts: int
+    requests: list[RequestSteps]
 
 
 @dataclass
@@ -89,7 +107,7 @@ class SingleRequests(Counted):
 
 
 @dataclass
-class EngineRun(Counted):
+class EngineRun(RequestCounted):
     num_speculative_tokens: int  # 0: no speculation
     outputs: list[list[int]]  # generated token ids per prompt
     batch: Timing  # the eval batch: every prompt of a source at once
@@ -104,6 +122,11 @@ class EngineRun(Counted):
     @property
     def generated_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.outputs)
+
+    @property
+    def requests(self) -> list[RequestSteps]:
+        """Every eval prompt's steps, source after source."""
+        return [steps for source in self.by_source.values() for steps in source.requests]
 
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the divergence probe's top tokens
@@ -129,18 +152,12 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
             record_weights(run, llm.collective_rpc(REPORT), norms)
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
         vision = Vision.of_engine(llm, model_dir)
-        before = read_counters(llm.get_metrics(), k)
         for source in dict.fromkeys(p.source for p in prompts):
             indices = [i for i, p in enumerate(prompts) if p.source == source]
             requests = [request(prompts[i].token_ids, prompts[i].images, vision) for i in indices]
-            started = time.perf_counter()
-            results = llm.generate(requests, params, use_tqdm=False)
-            run.batch.add(results, time.perf_counter() - started)
+            results, run.by_source[source] = generate_counted(llm, requests, params, k, run.batch)
             for i, result in zip(indices, results):
                 run.outputs[i] = list(result.outputs[0].token_ids)
-            after = read_counters(llm.get_metrics(), k)
-            run.by_source[source] = SourceCounts(after - before, len(indices))
-            before = after
         run.counts = sum((c.counts for c in run.by_source.values()), AcceptanceCounts(k))
         if config.validate_.latency_prompts:
             run.single = one_at_a_time(llm, vision, prompts[:config.validate_.latency_prompts], params, k)
@@ -151,6 +168,18 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing) -> tuple[list, SourceCounts]:
+    """`llm.generate` on the requests at once, timed into `timing`: its RequestOutputs, and vLLM's spec-decode
+    counts over them with each request's engine steps."""
+    before = read_counters(llm.get_metrics(), k)
+    with recorded_steps(llm) as emitted:
+        started = time.perf_counter()
+        results = llm.generate(requests, params, use_tqdm=False)
+        timing.add(results, time.perf_counter() - started)
+    counts = read_counters(llm.get_metrics(), k) - before
+    return results, SourceCounts(counts, request_steps(results, emitted))
 
 
 def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int) -> SingleRequests:

@@ -4,7 +4,8 @@
               every tensor name, shape, dtype and config field, d2t/t2d values; differences classified
               (compare.py). Any breaking one fails the stage before an engine starts.
     dynamic   vLLM with the target and the draft on 01's eval prompts, once per k: acceptance counters per eval
-              source and the draft parameters vLLM loaded (weights_probe.py); once without speculation, for
+              source, each request's own acceptance length (request_steps.py) and the draft parameters vLLM
+              loaded (weights_probe.py); once without speculation, for
               greedy outputs to compare. A train/serve mismatch (position-1 acceptance far below 04's eval
               step-0 accuracy), a parameter vLLM did not load, or a greedy output the draft changed where the
               target's margin is no bf16 near-tie (validate.max_tie_margin) fails the stage.
@@ -28,7 +29,7 @@ from eagle3_pipeline.export.format import Spec, read_spec, reference_spec, spec_
 from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, serve
+from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, RequestCounted, serve
 from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
 from eagle3_pipeline.validate.speed import speed_report
@@ -72,7 +73,8 @@ def run(config: RunConfig, force: bool = False) -> None:
     print_summary(report)
     if problems:
         raise StageError(f"validation failed ({len(problems)} problems): see {stage.path('report.md')}")
-    stage.finish(counts={"prompts": len(prompts), "mean_acceptance_length": report["mean_acceptance_length"]},
+    stage.finish(counts={"prompts": len(prompts), "mean_acceptance_length": report["mean_acceptance_length"],
+                         "mean_request_acceptance_length": report["mean_request_acceptance_length"]},
                  extra={"report": "report.json"})
 
 
@@ -174,6 +176,7 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
         "problems": problems,
         "num_speculative_tokens": first.num_speculative_tokens if first else None,
         "mean_acceptance_length": first.mean_acceptance_length if first else None,
+        "mean_request_acceptance_length": first.mean_request_acceptance_length if first else None,
         "acceptance_per_position": first.acceptance_per_position if first else None,
         "greedy_identical_fraction": runs_json[0]["greedy_identical_fraction"] if runs_json else None,
         "eval_step0_accuracy": eval_metrics.get("eval_accuracy", [None])[0],
@@ -198,13 +201,24 @@ def by_source(prompts: list[EvalPrompt], runs: list[EngineRun], simulated: dict[
             counts, k = run.by_source[source], run.num_speculative_tokens
             report[source]["runs"].append({
                 "num_speculative_tokens": k,
-                "mean_acceptance_length": counts.mean_acceptance_length,
+                **acceptance_lengths(counts),
                 "acceptance_per_position": counts.acceptance_per_position,
                 "num_drafts": counts.counts.drafts,
                 "simulated_mean_acceptance_length": simulated.get(metric_key(k, source=source)),
                 "simulated_acceptance_per_position": [simulated.get(metric_key(k, i, source)) for i in range(1, k + 1)],
             })
     return report
+
+
+def acceptance_lengths(counted: RequestCounted) -> dict:
+    """The two mean acceptance lengths of the eval batch, or one source of it, and what each is taken over."""
+    return {
+        "mean_acceptance_length": counted.mean_acceptance_length,  # pooled: 1 + accepted / drafts, vLLM's counters
+        "mean_request_acceptance_length": counted.mean_request_acceptance_length,  # mean of each request's own
+        "requests_verified": sum(1 for r in counted.requests if r.verify_steps),  # the requests in that mean
+        "num_verify_steps": sum(r.verify_steps for r in counted.requests),  # equals num_drafts (request_steps.py)
+        "generated_tokens": sum(sum(r.tokens_per_step) for r in counted.requests),
+    }
 
 
 def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float]) -> dict:
@@ -214,7 +228,7 @@ def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float
     speed = speed_report(run, plain)
     return {
         "num_speculative_tokens": run.num_speculative_tokens,
-        "mean_acceptance_length": run.mean_acceptance_length,
+        **acceptance_lengths(run),
         "acceptance_per_position": run.acceptance_per_position,
         "simulated_mean_acceptance_length": simulated.get(metric_key(run.num_speculative_tokens)),  # 04's eval
         **run.counts.vllm_counters(),
