@@ -346,12 +346,14 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
         run = serve(config, target_path(config.target), prompts, Path(record["export"]), k)
         result = {
             "k": k, "mean_acceptance_length": run.mean_acceptance_length,
+            "mean_request_acceptance_length": run.mean_request_acceptance_length,
             "acceptance_per_position": run.acceptance_per_position, "counters": run.counts.vllm_counters(),
             "generate_s": round(run.batch.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
             "generated_tokens": run.generated_tokens, "skipped_parameters": run.skipped_parameters,
             "by_source": {source: {"mean_acceptance_length": counts.mean_acceptance_length,
+                                   "mean_request_acceptance_length": counts.mean_request_acceptance_length,
                                    "acceptance_per_position": counts.acceptance_per_position,
-                                   "num_drafts": counts.counts.drafts, "prompts": counts.prompts}
+                                   "num_drafts": counts.counts.drafts, "prompts": len(counts.requests)}
                           for source, counts in run.by_source.items()},
             "outputs": run.outputs,
         }

@@ -338,13 +338,17 @@ def markdown(report: dict) -> str:
                                                 f"{100 * (mean_of_sources(record) / mean_of_sources(base) - 1):+.1f}%"]) + " |")
     if report.get("served"):
         lines += ["", f"## vLLM's own counters (06's serve, k={K}) against the simulation", "",
-                  "| draft | " + " | ".join(f"{s} vLLM / simulated" for s in sources) + " | all prompts vLLM / simulated |",
-                  "|---|" + "---|" * (len(sources) + 1)]
+                  "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
+                  "AL (SpecForge's bench_eagle3 definition) / simulated.", "",
+                  "| draft | " + " | ".join(sources) + " | all prompts |", "|---|" + "---|" * (len(sources) + 1)]
+        both = lambda run, s=None: "{:.3f} / {} / {:.3f}".format(  # noqa: E731
+            (run["by_source"][s] if s else run)["mean_acceptance_length"],
+            f"{value:.3f}" if (value := (run["by_source"][s] if s else run).get("mean_request_acceptance_length"))
+            is not None else "-", sim(report["drafts"][run["trainer"]], s))
         for name, run in report["served"].items():
-            record = report["drafts"][name]
-            cells = [f"{run['by_source'][s]['mean_acceptance_length']:.3f} / {sim(record, s):.3f}"
-                     if s in run["by_source"] else "-" for s in sources]
-            lines.append("| " + " | ".join([name, *cells, f"{run['mean_acceptance_length']:.3f} / {sim(record):.3f}"]) + " |")
+            run = dict(run, trainer=name)
+            cells = [both(run, s) if s in run["by_source"] else "-" for s in sources]
+            lines.append("| " + " | ".join([name, *cells, both(run)]) + " |")
     if report.get("regeneration"):
         lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's concurrency)", "",
                   "| run | generated tokens | tokens/s | mean acceptance length |", "|---|---|---|---|"]
