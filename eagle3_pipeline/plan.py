@@ -46,7 +46,9 @@ SPECULATIVE_SPEEDUP = Rate(
     "regeneration speed-up with a draft (k=3)", 1.18, "x", "derived here",
     "bench/results/kimi_speedup.md: AL x T / (T_verify + 3 D) from the published shapes' bytes per step, a "
     "verifying step reading 4 tokens' routed experts, at MT-Bench's AL 2.69 (lightseekorg/kimi-k2.5-eagle3's card); "
-    "2.26x if a verifying step costs one decode step. Not measured on Kimi (on SmolLM2 the draft slows 01 down)")
+    "2.26x if a verifying step costs one decode step. Not measured on Kimi. On the SmolLM2 stand-in, one H200, 01's "
+    "concurrency 512: 26,021 -> 26,703 generated tokens/s (1.03x) at AL 2.05 (bench/results/quality_gpu.md); a 135M "
+    "target is not bound by reading its weights there, so that gain says little about Kimi's")
 DEEPSEEK_PREFILL = Rate(
     "DeepSeek-V3 prefill, cache hits included", 73_700, "input tokens/s per 8xH800 node", "public source",
     "DeepSeek, \"DeepSeek-V3/R1 Inference System Overview\" (github.com/deepseek-ai/open-infra-index, day 6 of "
