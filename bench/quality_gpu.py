@@ -11,7 +11,7 @@ Phases (each skips the work a rerun finds complete; `--phases` picks some):
              target's template renders tools)
     train    the curve (our trainer and `speculators train` at each of --curve-steps, seed 0: speculators gets the
              tokens ours trains on at that step count, same batch shape), seeds 1 and 2 at the largest point, and
-             each lever of LEVERS at the largest point (ours, seed 0); --parallel trainings share the GPU. Every
+             each lever of LEVERS at the largest point (ours, --lever-seeds); --parallel trainings share the GPU. Every
              draft is scored by one shared evaluator on the GPU (bench/draft_eval.py: 04's simulated acceptance
              length per eval benchmark at k=3, teacher-forced accuracies)
     regen    01's regeneration of --regen-conversations magpie conversations at 01's concurrency, without and
@@ -71,6 +71,7 @@ LEVERS: dict[str, list[str]] = {
     "lr-warmup5pc-cosine-to-0": ["train.warmup_steps={warmup}", "train.min_lr_ratio=0.0"],
     "lr-3e-3": ["train.learning_rate=3.0e-3"],
     "fp8": ["train.fp8=true"],
+    "optimizer-muon": ["train.optimizer=muon"],  # speculators' default optimizer
 }
 LOCK = threading.Lock()
 
@@ -143,7 +144,7 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
         except ConfigError as err:  # a lever this checkout does not have
             print(f"lever {lever} skipped: {err}", flush=True)
             continue
-        jobs.append((f"{lever}-{largest}-s0", "ours", largest, 0, overrides))
+        jobs += [(f"{lever}-{largest}-s{seed}", "ours", largest, seed, overrides) for seed in args.lever_seeds]
     return jobs
 
 
@@ -327,21 +328,25 @@ def markdown(report: dict) -> str:
             lines.append(f"- {scope}: ours {statistics.fmean(ours):.3f} vs speculators {theirs:.3f} "
                          f"({100 * ratio:+.1f}%; target +3%: {'met' if ratio >= 0.03 else 'missed'}; every seed above "
                          f"their mean: {'yes' if min(ours) > theirs else 'no'})")
-    levers = [(n, r) for n, r in drafts.items() if not n.startswith(("ours-", "speculators-"))]
-    base = drafts.get(f"ours-{largest}-s0")
-    if levers and base:
-        lines += ["", f"## Levers at {largest} steps (ours, seed 0; one setting moved from bench/quality_gpu.yaml)", "",
-                  "| lever | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours seed 0 |",
-                  "|---|---|" + "---|" * (len(sources) + 2)]
-        for name, record in sorted(levers, key=lambda item: -mean_of_sources(item[1])):
-            lines.append("| " + " | ".join([name, "`" + " ".join(record["extra"]) + "`"]
-                                             + [f"{sim(record, s):.3f}" for s in sources]
-                                             + [f"{mean_of_sources(record):.3f}",
-                                                f"{100 * (mean_of_sources(record) / mean_of_sources(base) - 1):+.1f}%"]) + " |")
+    levers: dict[str, list[dict]] = {}  # lever -> its drafts, one per seed
+    for name, record in drafts.items():
+        if not name.startswith(("ours-", "speculators-")):
+            levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
+    if levers:
+        lines += ["", f"## Levers at {largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
+                  "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds |",
+                  "|---|---|---|" + "---|" * (len(sources) + 2)]
+        for lever, runs in sorted(levers.items(), key=lambda item: -statistics.fmean(map(mean_of_sources, item[1]))):
+            base = [drafts[f"ours-{largest}-s{r['seed']}"] for r in runs if f"ours-{largest}-s{r['seed']}" in drafts]
+            versus = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / statistics.fmean(map(mean_of_sources, base)) - 1):+.1f}%"
+                      if len(base) == len(runs) else "-")
+            lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs), "`" + " ".join(runs[0]["extra"]) + "`"]
+                                             + [spread([sim(r, s) for r in runs]) for s in sources]
+                                             + [spread([mean_of_sources(r) for r in runs]), versus]) + " |")
     if report.get("served"):
         lines += ["", f"## vLLM's own counters (06's serve, k={K}) against the simulation", "",
                   "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
-                  "AL (SpecForge's bench_eagle3 definition) / simulated.", "",
+                  "AL / simulated (README: which is which).", "",
                   "| draft | " + " | ".join(sources) + " | all prompts |", "|---|" + "---|" * (len(sources) + 1)]
         both = lambda run, s=None: "{:.3f} / {} / {:.3f}".format(  # noqa: E731
             (run["by_source"][s] if s else run)["mean_acceptance_length"],
@@ -412,6 +417,7 @@ def main() -> None:
     parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                         help="our optimizer steps (one 8192-row pack each) at each curve point")
     parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has)")
+    parser.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
     parser.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
     parser.add_argument("--regen-conversations", type=int, default=1024)
     parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))

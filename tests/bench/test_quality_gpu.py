@@ -13,44 +13,49 @@ BENCH_CONFIG = Path(__file__).resolve().parents[2] / CONFIG
 
 
 def test_draft_jobs_cover_curve_seeds_and_levers():
-    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 160, 320, 640], levers=None)
+    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 160, 320, 640], levers=None, lever_seeds=[0, 1])
     jobs = {name: (trainer, steps, seed, extra) for name, trainer, steps, seed, extra in draft_jobs(args)}
     for trainer in ("ours", "speculators"):
         assert [jobs[f"{trainer}-{s}-s0"][1] for s in (40, 160, 320, 640)] == [40, 160, 320, 640]
         assert {jobs[f"{trainer}-640-s{seed}"][2] for seed in (0, 1, 2)} == {0, 1, 2}
-    levers = {name.removesuffix("-640-s0") for name, (_, steps, seed, extra) in jobs.items() if extra}
+    levers = {name.removesuffix("-640-s0") for name, (_, steps, seed, extra) in jobs.items() if extra and seed == 0}
     assert levers == set(LEVERS)  # every lever is a setting this checkout's config schema has
+    assert all(f"{lever}-640-s1" in jobs for lever in LEVERS)
     assert jobs["lr-warmup5pc-cosine-to-0-640-s0"][3][0] == "train.warmup_steps=32"  # 5% of the largest budget
 
 
 def test_unknown_lever_setting_is_skipped(monkeypatch, capsys):
     monkeypatch.setitem(LEVERS, "no-such-knob", ["train.no_such_knob=1"])
-    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 80], levers=["no-such-knob"])
+    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 80], levers=["no-such-knob"], lever_seeds=[0])
     assert [name for name, *_ in draft_jobs(args) if "knob" in name] == []
     assert "lever no-such-knob skipped" in capsys.readouterr().out
 
 
-def _draft(tokens: int, per_source: dict[str, float], overall: float, extra=()) -> dict:
+def _draft(tokens: int, per_source: dict[str, float], overall: float, extra=(), seed: int = 0) -> dict:
     values = {metric_key(3): overall} | {metric_key(3, source=s): v for s, v in per_source.items()}
-    return {"train_tokens": tokens, "train_wall_s": 10.0, "shared_eval": values, "extra": list(extra)}
+    return {"train_tokens": tokens, "train_wall_s": 10.0, "shared_eval": values, "extra": list(extra), "seed": seed}
 
 
 def test_report_targets_against_hand_computation():
     sources = {"mtbench": 0, "humaneval.2": 0}
-    ours = [_draft(640, {"mtbench": m, "humaneval.2": h}, 0) for m, h in ((2.06, 3.0), (2.10, 3.1), (2.12, 3.2))]
+    ours = [_draft(640, {"mtbench": m, "humaneval.2": h}, 0, seed=i)
+            for i, (m, h) in enumerate(((2.06, 3.0), (2.10, 3.1), (2.12, 3.2)))]
     theirs = [_draft(600, {"mtbench": m, "humaneval.2": h}, 0) for m, h in ((2.0, 3.0), (2.0, 2.9), (2.0, 3.1))]
     report = {"commands": ["c"], "curve_steps": [40, 640], "drafts": {
         **{f"ours-640-s{i}": d for i, d in enumerate(ours)},
         **{f"speculators-640-s{i}": d for i, d in enumerate(theirs)},
         "fp8-640-s0": _draft(640, dict.fromkeys(sources, 2.0), 0, ["train.fp8=true"]),
+        "fp8-640-s1": _draft(640, dict.fromkeys(sources, 3.0), 0, ["train.fp8=true"], seed=1),
     }}
     text = markdown(report)
     # MT-Bench: ours' mean 2.0933 against their mean 2.0 is +4.7%; every seed above 2.0
     assert "- MT-Bench: ours 2.093 vs speculators 2.000 (+4.7%; target +3%: met; every seed above their mean: yes)" in text
     # mean of benchmarks: ours (2.53 + 2.60 + 2.66) / 3 = 2.5967 against theirs (2.5 + 2.45 + 2.55) / 3 = 2.5: +3.9%
     assert "- mean of benchmarks: ours 2.597 vs speculators 2.500 (+3.9%; target +3%: met" in text
-    # the lever against ours seed 0 (mean of benchmarks 2.53): 2.0 / 2.53 - 1 = -20.9%
-    assert "| fp8-640-s0 | `train.fp8=true` | 2.000 | 2.000 | 2.000 | -20.9% |" in text
+    # the lever's seeds 0 and 1 (means of benchmarks 2.0, 3.0) against ours at seeds 0 and 1 (2.53, 2.60):
+    # 2.5 / 2.565 - 1 = -2.5%
+    assert ("| fp8 | 0,1 | `train.fp8=true` | 2.500 [2.000, 3.000] | 2.500 [2.000, 3.000] | 2.500 [2.000, 3.000] "
+            "| -2.5% |") in text
 
 
 def test_shipped_config_loads():
