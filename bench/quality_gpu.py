@@ -131,11 +131,16 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
     from eagle3_pipeline.config import ConfigError, load_config
 
     largest = max(args.curve_steps)
-    jobs = [(f"{trainer}-{steps}-s0", trainer, steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)
-            for trainer in ("ours", "speculators")]
-    jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, []) for seed in (1, 2)
-             for trainer in ("ours", "speculators")]
+    jobs = []
+    if "curve" in args.jobs:
+        jobs += [(f"{trainer}-{steps}-s0", trainer, steps, 0, []) for steps in sorted(args.curve_steps, reverse=True)
+                 for trainer in ("ours", "speculators")]
+    if "seeds" in args.jobs:  # seed 0 too, when the curve (which trains it) is not asked for
+        jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, [])
+                 for seed in ((1, 2) if "curve" in args.jobs else (0, 1, 2)) for trainer in ("ours", "speculators")]
     for lever, overrides in LEVERS.items():
+        if "levers" not in args.jobs:
+            break
         if args.levers and lever not in args.levers:
             continue
         overrides = [o.format(warmup=max(1, largest // 20)) for o in overrides]
@@ -417,6 +422,8 @@ def main() -> None:
     parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                         help="our optimizer steps (one 8192-row pack each) at each curve point")
     parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has)")
+    parser.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"], choices=["curve", "seeds", "levers"],
+                        help="which drafts the train phase trains (seeds: both trainers at the largest point)")
     parser.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
     parser.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
     parser.add_argument("--regen-conversations", type=int, default=1024)

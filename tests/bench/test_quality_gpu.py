@@ -13,7 +13,8 @@ BENCH_CONFIG = Path(__file__).resolve().parents[2] / CONFIG
 
 
 def test_draft_jobs_cover_curve_seeds_and_levers():
-    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 160, 320, 640], levers=None, lever_seeds=[0, 1])
+    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 160, 320, 640], levers=None, lever_seeds=[0, 1],
+                              jobs=["curve", "seeds", "levers"])
     jobs = {name: (trainer, steps, seed, extra) for name, trainer, steps, seed, extra in draft_jobs(args)}
     for trainer in ("ours", "speculators"):
         assert [jobs[f"{trainer}-{s}-s0"][1] for s in (40, 160, 320, 640)] == [40, 160, 320, 640]
@@ -24,9 +25,18 @@ def test_draft_jobs_cover_curve_seeds_and_levers():
     assert jobs["lr-warmup5pc-cosine-to-0-640-s0"][3][0] == "train.warmup_steps=32"  # 5% of the largest budget
 
 
+def test_seeds_and_levers_without_the_curve():
+    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 640], levers=["fp8"], lever_seeds=[0, 1, 2],
+                              jobs=["seeds", "levers"])
+    names = [name for name, *_ in draft_jobs(args)]
+    assert names == [f"{t}-640-s{s}" for s in (0, 1, 2) for t in ("ours", "speculators")] + [
+        f"fp8-640-s{s}" for s in (0, 1, 2)]
+
+
 def test_unknown_lever_setting_is_skipped(monkeypatch, capsys):
     monkeypatch.setitem(LEVERS, "no-such-knob", ["train.no_such_knob=1"])
-    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 80], levers=["no-such-knob"], lever_seeds=[0])
+    args = argparse.Namespace(config=BENCH_CONFIG, curve_steps=[40, 80], levers=["no-such-knob"], lever_seeds=[0],
+                              jobs=["levers"])
     assert [name for name, *_ in draft_jobs(args) if "knob" in name] == []
     assert "lever no-such-knob skipped" in capsys.readouterr().out
 
