@@ -37,7 +37,7 @@ from eagle3_pipeline.validate.request_steps import (
     request_steps,
 )
 from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
-from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, skipped_parameters
+from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, loaded_parameters, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 
 
@@ -115,6 +115,7 @@ class EngineRun(RequestCounted):
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(0))  # over the eval batch
     by_source: dict[str, SourceCounts] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)  # against the run without speculation
+    loaded_parameters: list[str] = field(default_factory=list)  # what vLLM's loader filled from the export
     skipped_parameters: list[str] = field(default_factory=list)
     ignored_tensors: list[str] = field(default_factory=list)
     shared_parameters: list[str] = field(default_factory=list)
@@ -224,10 +225,12 @@ def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], pla
 
 
 def record_weights(run: EngineRun, reports: list[dict], required: list[str]) -> None:
-    """Parameters any worker left unloaded (tensor parallel: each worker loads its own shard), `required` ones
-    (the norms the export's config turns on) included even where vLLM did not build them."""
+    """Parameters the workers loaded, and those any worker left unloaded (tensor parallel: each worker loads its
+    own shard), `required` ones (the norms the export's config turns on) included even where vLLM did not build
+    them."""
     for report in reports:
         skipped, ignored = skipped_parameters(report, required)
+        run.loaded_parameters = sorted(set(run.loaded_parameters) | set(loaded_parameters(report)))
         run.skipped_parameters = sorted(set(run.skipped_parameters) | set(skipped))
         run.ignored_tensors = sorted(set(run.ignored_tensors) | set(ignored))
         run.shared_parameters = sorted(set(run.shared_parameters) | set(report["shared"]))

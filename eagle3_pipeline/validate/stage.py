@@ -239,6 +239,7 @@ def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float
         "tokens_per_s": run.batch.tokens_per_s,
         "speedup": speed["eval_batch"]["measured_speedup"],  # tokens/s against the same prompts without the draft
         "speed": speed,  # both phases: tokens/s, latency, step times, predicted speed-up (speed.py)
+        "loaded_parameters": run.loaded_parameters,  # the draft parameters vLLM loaded from the export
         "skipped_parameters": run.skipped_parameters,
         "shared_from_target": run.shared_parameters,
         "ignored_tensors": run.ignored_tensors,

@@ -93,13 +93,18 @@ def flagged_norms(config_json: dict) -> list[str]:
             + [f"model.fc_norm.{i}.weight" for i in range(len(aux)) if draft.fc_norm])
 
 
+def loaded_parameters(report: dict) -> list[str]:
+    """The draft parameters vLLM's loader filled from the export in its last load (none before a load)."""
+    return report["loads"][-1]["loaded"] if report["loads"] else []
+
+
 def skipped_parameters(report: dict, required: list[str] = ()) -> tuple[list[str], list[str]]:
     """(draft parameters neither loaded nor shared from the target, `required` ones (`flagged_norms`) among
     them whether vLLM built them or not; received tensors vLLM dropped knowingly)."""
     if not report["loads"]:
         return ["<no Eagle-3 Llama draft was loaded: is the export's architecture one vLLM maps to it?>"], []
     load = report["loads"][-1]
-    skipped = sorted((set(load["parameters"]) | set(required)) - set(load["loaded"]) - set(report["shared"]))
+    skipped = sorted((set(load["parameters"]) | set(required)) - set(loaded_parameters(report)) - set(report["shared"]))
     ignored = sorted(name for name in load["received"] if name.endswith("t2d"))
     return skipped, ignored
 

@@ -33,10 +33,12 @@ def trained_tiny_run(tmp_path: Path) -> tuple[RunConfig, Path]:
 
 
 def stand_in_config(tmp_path: Path, name: str, train: dict, validate: dict | None = None,
-                    run_dir: Path | None = None) -> tuple[RunConfig, Path]:
-    """configs/<name>.yaml with the given train/validate overrides, written under tmp_path; run_dir tmp_path/run."""
+                    run_dir: Path | None = None, draft: dict | None = None) -> tuple[RunConfig, Path]:
+    """configs/<name>.yaml with the given train/validate/draft overrides, written under tmp_path; run_dir
+    tmp_path/run."""
     tree = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     tree["run_dir"] = str(run_dir or tmp_path / "run")
+    tree["draft"] |= draft or {}
     tree["train"] |= train
     tree["validate"] |= validate or {}
     path = tmp_path / f"{name}.yaml"

@@ -2,7 +2,8 @@
 command 06 prints serves it through vLLM's OpenAI-compatible server (the tiny Kimi's draft is served in
 tests/test_pipeline_tiny_kimi.py, at the end of its 01-06 run).
 
-One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format.
+One engine start per setting: SmolLM2 with the draft (k=3) and without, then one server per export format; one
+more for an EAGLE 3.1 draft (`draft.fc_norm` + `draft.norm_output`) trained briefly on the demo run's data.
 
     python -m pytest -m vllm tests/validate/test_vllm_validate.py -s     # -s prints the acceptance figures
 """
@@ -24,9 +25,10 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.stage_io import read_manifest
+from eagle3_pipeline.train import loop
 from tests.conftest import run_python
 from tests.no_speculators import without_speculators
-from tests.validate.runs import DEMO_HELD_OUT, DEMO_SAMPLES, demo_run
+from tests.validate.runs import DEMO_HELD_OUT, DEMO_SAMPLES, DEMO_TRAIN, DEMO_VALIDATE, demo_run, stand_in_config
 from tests.validate.smollm2_inputs import humaneval_chats
 
 
@@ -106,6 +108,28 @@ def test_04s_simulated_acceptance_predicts_vllms_within_3_percent(validated_demo
     table = (config.run_dir / "06_validate" / "report.md").read_text()
     assert f"| 3 | vLLM, pooled | {measured:.3f} | {measured:.3f} |" in table
     assert f"| 3 | 04 simulated | {simulated:.3f} |" in table
+
+
+# EAGLE 3.1 on the demo run's 01-03: a few steps from scratch (the plain draft's 04 is replaced), then 05 and a short 06
+EAGLE31 = {"fc_norm": True, "norm_output": True}
+EAGLE31_TRAIN = {"standardize_aux": False, "max_steps": 24, "eval_every": 24, "checkpoint_every": 24}
+SHORT_VALIDATE = {"max_prompts": 4, "max_tokens": 16, "latency_prompts": 0, "compare_without_speculation": False}
+
+
+@pytest.mark.vllm
+def test_an_eagle31_draft_is_loaded_whole_and_accepted(tmp_path):
+    """06 serves an EAGLE 3.1 export and passes as the plain layout does (export_and_validate: exit 0, nothing
+    skipped); its weights probe saw vLLM load every fc_norm tensor (a missing one runs at ones without a word,
+    tests/export/test_vllm_draft_forward.py), and drafts were accepted."""
+    demo_run(tmp_path)
+    config, path = stand_in_config(tmp_path, "demo", DEMO_TRAIN | EAGLE31_TRAIN, DEMO_VALIDATE | SHORT_VALIDATE,
+                                   draft=EAGLE31)
+    loop.run(config, force=True)
+    report = export_and_validate(path, config.run_dir)
+    run = report["runs"][0]
+    assert report["verdict"] == "PASSED" and report["problems"] == []
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= set(run["loaded_parameters"])
+    assert run["num_drafts"] > 0 and report["mean_acceptance_length"] > 1
 
 
 # The printed serving command, run as a user pastes it: a few held-out prompts through the openai client.

@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from eagle3_pipeline.validate.weights_probe import DraftWeightsProbe, shared_parameters, skipped_parameters
+from eagle3_pipeline.validate.weights_probe import (
+    DraftWeightsProbe,
+    loaded_parameters,
+    shared_parameters,
+    skipped_parameters,
+)
 
 
 class Body(nn.Module):
@@ -82,13 +87,14 @@ def test_shared_weights_found_by_storage_on_both_runners(runner_kind, own_lm_hea
     assert "model.embed_tokens.weight" not in shared_parameters(draft, target)
 
 
-def test_skipped_excludes_shared_and_names_the_rest():
+def test_loaded_and_skipped_exclude_shared_and_name_the_rest():
     target, draft = target_and_draft(own_lm_head=True)
     names = sorted(name for name, _ in draft.named_parameters())
     report = {"loads": [{"received": ["fc.weight", "lm_head.weight", "t2d"], "loaded": ["lm_head.weight"],
                          "parameters": names}],
               "shared": shared_parameters(draft, target)}
     assert skipped_parameters(report) == (["model.fc.weight"], ["t2d"])
+    assert loaded_parameters(report) == ["lm_head.weight"] and loaded_parameters({"loads": [], "shared": []}) == []
 
 
 @pytest.mark.parametrize("runner_kind", RUNNERS)
