@@ -20,7 +20,7 @@ Phases (each skips the work a rerun finds complete; `--phases` picks some):
     serve    vLLM's own counters (06's `serve`, CUDA graphs off: acceptance does not depend on them) for the final
              rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever
 
-Writes <out>/quality_gpu.json after every draft, so a lease cut short keeps what was measured; `--report` turns it
+Writes <out>/quality_gpu.json after every draft, so a run cut short keeps what was measured; `--report` turns it
 into quality_gpu.md and quality_gpu.png beside it.
 """
 
