@@ -318,20 +318,26 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
     return record
 
 
-def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -> None:
-    from bench.draft_eval import EvalRows, evaluate
+def evaluated(record: dict, rows, config, ks: list[int], force: bool = False, device: str = "cpu") -> dict:
+    """One draft's figures from the shared evaluator (bench/draft_eval.py) on `rows`, cached in its folder."""
+    from bench.draft_eval import evaluate
 
-    rows = None
+    path = Path(record["run_dir"]) / f"bench_shared_eval_k{'_'.join(map(str, ks))}.json"
+    values = cached(path, force)
+    if values is None:
+        values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, ks,
+                          config.validate_.max_tokens, device)
+        save(path, values)
+    return values
+
+
+def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -> None:
+    from bench.draft_eval import EvalRows
+
     started = time.perf_counter()
+    rows = EvalRows(shared, config.train.packed_length)  # packed when the first uncached draft reads them
     for record in records:
-        path = Path(record["run_dir"]) / "bench_shared_eval.json"
-        values = cached(path, args.force_train)
-        if values is None:
-            rows = rows or EvalRows(shared, config.train.packed_length)
-            values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, args.ks,
-                              config.validate_.max_tokens)
-            save(path, values)
-        record["shared_eval"] = values
+        record["shared_eval"] = evaluated(record, rows, config, args.ks, args.force_train)
     clock.phase("shared teacher-forced eval", time.perf_counter() - started)
 
 

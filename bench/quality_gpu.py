@@ -44,6 +44,7 @@ from bench.quality import (  # noqa: E402
     SHARED_SECTIONS,
     Clock,
     cached,
+    evaluated,
     measure,
     our_token_budget,
     run_logged,
@@ -154,6 +155,8 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
 
 
 def phase_train(bench: Bench) -> None:
+    import torch
+
     from bench.draft_eval import EvalRows
     from bench.speculators_trainer import write_dataset
     from eagle3_pipeline.capture.store import open_reader
@@ -163,6 +166,7 @@ def phase_train(bench: Bench) -> None:
     _, layout = open_reader(bench.shared / "02_hidden_states")
     rows = EvalRows(bench.shared, config.train.packed_length)
     rows.batches(len(layout.aux_layer_ids) * config.draft.hidden_size, config.draft.hidden_size)  # once, here
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     dataset = threading.Thread(target=write_dataset, args=(bench.shared, bench.args.run_dir / "speculators_data"))
     dataset.start()
 
@@ -181,7 +185,7 @@ def phase_train(bench: Bench) -> None:
                 dataset.join()
                 record = train_speculators(args, bench.clock, bench.shared, seed, our_token_budget(ours), config,
                                            name="speculators")
-            record["shared_eval"] = shared_eval(record, rows, config)
+            record["shared_eval"] = evaluated(record, rows, config, [K], device=device)
         except Exception as err:  # noqa: BLE001 - one failed draft is reported, the others go on
             record = {"error": repr(err)[-2000:]}
         bench.add_draft(name, record | {"trainer_kind": trainer, "steps": steps, "seed": seed, "extra": extra,
@@ -191,20 +195,6 @@ def phase_train(bench: Bench) -> None:
     with ThreadPoolExecutor(bench.args.parallel) as pool:
         list(pool.map(run, draft_jobs(bench.args)))
     dataset.join()
-
-
-def shared_eval(record: dict, rows, config) -> dict:
-    import torch
-
-    from bench.draft_eval import evaluate
-
-    path = Path(record["run_dir"]) / "bench_shared_eval_gpu.json"
-    values = cached(path)
-    if values is None:
-        values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, [K],
-                          config.validate_.max_tokens, device="cuda" if torch.cuda.is_available() else "cpu")
-        save(path, values)
-    return values
 
 
 def summary_line(record: dict) -> str:
