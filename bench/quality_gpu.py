@@ -139,19 +139,31 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
     if "seeds" in args.jobs:  # seed 0 too, when the curve (which trains it) is not asked for
         jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, [])
                  for seed in ((1, 2) if "curve" in args.jobs else (0, 1, 2)) for trainer in ("ours", "speculators")]
-    for lever, overrides in LEVERS.items():
+    asked = dict(lever_seeds(item, args.lever_seeds) for item in args.levers or [])
+    for lever in asked or LEVERS:  # in the order asked
         if "levers" not in args.jobs:
             break
-        if args.levers and lever not in args.levers:
-            continue
+        if lever not in LEVERS:
+            raise SystemExit(f"--levers {lever}: not one of {', '.join(LEVERS)}")
+        overrides = LEVERS[lever]
         overrides = [o.format(warmup=max(1, largest // 20)) for o in overrides]
         try:
             load_config(args.config, overrides)
         except ConfigError as err:  # a lever this checkout does not have
             print(f"lever {lever} skipped: {err}", flush=True)
             continue
-        jobs += [(f"{lever}-{largest}-s{seed}", "ours", largest, seed, overrides) for seed in args.lever_seeds]
+        jobs += [(f"{lever}-{largest}-s{seed}", "ours", largest, seed, overrides)
+                 for seed in asked.get(lever, args.lever_seeds)]
     return jobs
+
+
+def lever_seeds(item: str, default: list[int]) -> tuple[str, list[int]]:
+    """`NAME` trains at --lever-seeds, `NAME@0,1,2` at those seeds."""
+    name, _, seeds = item.partition("@")
+    try:
+        return name, [int(seed) for seed in seeds.split(",")] if seeds else default
+    except ValueError:
+        raise SystemExit(f"--levers {item}: seeds are integers, as in {name}@0,1,2") from None
 
 
 def phase_train(bench: Bench) -> None:
@@ -329,15 +341,19 @@ def markdown(report: dict) -> str:
             levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
     if levers:
         lines += ["", f"## Levers at {largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
-                  "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds |",
-                  "|---|---|---|" + "---|" * (len(sources) + 2)]
+                  "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds "
+                  "| vs speculators' mean (every seed above it) |",
+                  "|---|---|---|" + "---|" * (len(sources) + 3)]
+        theirs = (statistics.fmean(map(mean_of_sources, seeds["speculators"])) if "speculators" in seeds else None)
         for lever, runs in sorted(levers.items(), key=lambda item: -statistics.fmean(map(mean_of_sources, item[1]))):
             base = [drafts[f"ours-{largest}-s{r['seed']}"] for r in runs if f"ours-{largest}-s{r['seed']}" in drafts]
             versus = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / statistics.fmean(map(mean_of_sources, base)) - 1):+.1f}%"
                       if len(base) == len(runs) else "-")
+            above = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / theirs - 1):+.1f}% "
+                     f"({'yes' if min(map(mean_of_sources, runs)) > theirs else 'no'})" if theirs else "-")
             lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs), "`" + " ".join(runs[0]["extra"]) + "`"]
                                              + [spread([sim(r, s) for r in runs]) for s in sources]
-                                             + [spread([mean_of_sources(r) for r in runs]), versus]) + " |")
+                                             + [spread([mean_of_sources(r) for r in runs]), versus, above]) + " |")
     if report.get("served"):
         lines += ["", f"## vLLM's own counters (06's serve, k={K}) against the simulation", "",
                   "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
@@ -411,7 +427,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                         help="our optimizer steps (one 8192-row pack each) at each curve point")
-    parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has)")
+    parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has); "
+                        "NAME@0,1,2 trains that lever at those seeds instead of --lever-seeds")
     parser.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"], choices=["curve", "seeds", "levers"],
                         help="which drafts the train phase trains (seeds: both trainers at the largest point)")
     parser.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
