@@ -6,9 +6,9 @@ at the largest budget, three seeds there, and regeneration with the trained draf
 
 Phases (each skips the work a rerun finds complete; `--phases` picks some):
 
-    data     stages 01-03 once on bench/quality_gpu.yaml: SmolLM2-135M-Instruct regenerates every answer, five
-             held-out eval benchmarks (MT-Bench both turns, HumanEval, GSM8K, MATH500, BFCL where the
-             target's template renders tools)
+    data     stages 01-03 once on bench/quality_gpu.yaml (--reuse-01: an earlier run's 01_data): SmolLM2-135M-Instruct
+             regenerates every answer, five held-out eval benchmarks (MT-Bench both turns, HumanEval, GSM8K,
+             MATH500, BFCL where the target's template renders tools)
     train    the curve (our trainer and `speculators train` at each of --curve-steps, seed 0: speculators gets the
              tokens ours trains on at that step count, same batch shape), seeds 1 and 2 at the largest point, and
              each lever of LEVERS at the largest point (ours, --lever-seeds); --parallel trainings share the GPU. Every
@@ -64,6 +64,8 @@ TTT_DECAY = [round(0.8 ** step, 6) for step in range(7)]
 # One setting moved from bench/quality_gpu.yaml's train/draft sections, ours, at the largest point, seed 0
 LEVERS: dict[str, list[str]] = {
     "eagle3.1": ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false"],
+    "eagle3.1-muon": ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false",
+                      "train.optimizer=muon"],
     "standardize_aux-off": ["train.standardize_aux=false"],
     "ttt7-decay0.8": ["train.ttt_steps=7", f"train.ttt_step_weights={TTT_DECAY}"],
     "loss-tv": ["train.loss=tv"],
@@ -88,7 +90,7 @@ class Bench:
         self.clock = Clock()
         base = load_config(args.config, [])
         args.run_dir = args.work / fingerprint({s: base.section(s) for s in SHARED_SECTIONS})[:10]
-        args.budget, args.force_train, args.reuse_01 = [], False, None
+        args.budget, args.force_train = [], False
         self.shared = args.run_dir / "shared"
         self.config = load_config(args.config, [f"run_dir={self.shared}"])
         self.out = args.out / "quality_gpu.json"
@@ -304,10 +306,12 @@ def markdown(report: dict) -> str:
                   + ", ".join(f"{k[:2]} {v:.0f} s" for k, v in data["stage_seconds"].items())
                   + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s" if data.get("generation") else "")
                   + ".", ""]
-    lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
-              "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for trainer in ("ours", "speculators"):
-        for steps in sorted(report["curve_steps"]):
+    curve = [steps for steps in sorted(report["curve_steps"]) if f"ours-{steps}-s0" in drafts]
+    if len(curve) > 1:
+        lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
+                  "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for trainer in ("ours", "speculators") if len(curve) > 1 else ():
+        for steps in curve:
             record = drafts.get(f"{trainer}-{steps}-s0")
             if record:
                 lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
@@ -339,6 +343,7 @@ def markdown(report: dict) -> str:
     for name, record in drafts.items():
         if not name.startswith(("ours-", "speculators-")):
             levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
+    levers = {lever: sorted(runs, key=lambda r: r["seed"]) for lever, runs in levers.items()}
     if levers:
         lines += ["", f"## Levers at {largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
                   "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds "
@@ -434,6 +439,8 @@ def main() -> None:
     parser.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
     parser.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
     parser.add_argument("--regen-conversations", type=int, default=1024)
+    parser.add_argument("--reuse-01", type=Path, help="a complete 01_data of this config from an earlier run (copied; "
+                        "01's regeneration is then skipped)")
     parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     parser.add_argument("--report", type=Path, help="only write the .md and .png of this quality_gpu.json")
     args = parser.parse_args()
