@@ -42,7 +42,8 @@ class EngineConfig(Section):
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV cache size in GiB; null = what gpu_memory_utilization leaves after vLLM measures "
         "its own peak. An explicit size skips that measure, which other processes allocating on the same GPU at the "
-        "same time (a trainer in stream mode, another engine) can upset (vLLM: no memory for the cache blocks)",
+        "same time (a trainer in stream mode, another engine) can upset (vLLM: no memory for the cache blocks). "
+        "On a machine without a GPU, null = 0.5 GiB",
     )
     enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(

@@ -20,7 +20,9 @@ from eagle3_pipeline.target import is_mla, text_config
 
 # On a CPU-only machine the KV cache lives in host memory. An explicit size: vLLM's default is sized for
 # servers, and an explicit size skips its free-memory check, which other jobs on a shared machine can fail.
-CPU_KV_CACHE_BYTES = 2 * 2**30
+# 512 MiB holds 23k SmolLM2 tokens in bf16, the demo's 32 sequences whole; each GiB more costs an engine start
+# about 4 s on 2 cores (its pages are written at start). `target.engine.kv_cache_memory_gb` sets another size.
+CPU_KV_CACHE_BYTES = 512 * 2**20
 
 
 def on_cpu() -> bool:

@@ -29,7 +29,8 @@ from tests.stage_reads import check_fingerprints_cover_reads
 THINK = 163606  # Kimi's <think>: in thinking mode the generation prompt opens the reasoning
 MEDIA_PAD = 163605  # Kimi's image placeholder: vLLM makes one per 2x2 merged 14-pixel patches of an image
 SETTINGS = ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every=4", "train.eval_every=4",
-            "train.log_every=1", "validate.compare_without_speculation=false"]
+            "train.log_every=1", "validate.compare_without_speculation=false",
+            "data.regenerate.max_tokens=16", "target.engine.max_num_seqs=48"]  # 01 in one round of short answers
 
 
 @pytest.mark.vllm

@@ -57,15 +57,16 @@ def smol(smollm2_dir, tmp_path_factory):
     with running_llm(smollm2_dir, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False,
                      dtype="bfloat16", max_model_len=256, max_num_batched_tokens=32) as llm:
         source, captured = capture(llm, prompts, SMOL_IDS, tmp_path_factory.mktemp("hand_over"))
+        _, mapped = capture(llm, prompts, SMOL_IDS, tmp_path_factory.mktemp("mapped"), handover="mapped")
         with pytest.raises(Exception) as refusal:  # vLLM re-raises the worker's error in its own wrapper
             llm.collective_rpc("set_capture_layers", args=([27, 2],))
-    return prompts, source, captured, str(refusal.value)
+    return prompts, source, captured, str(refusal.value), mapped
 
 
 def test_smollm2_states_match_transformers(smol, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
-    prompts, source, captured, _ = smol
+    prompts, source, captured, *_ = smol
     assert source.startswith("LlamaForCausalLM")
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for prompt, states in zip(prompts, captured, strict=True):
@@ -84,13 +85,10 @@ def test_worker_refuses_bad_layer_ids(smol):
     assert "distinct, ascending" in smol[3]
 
 
-def test_mapped_hand_over_across_processes_equals_pageable(smol, smollm2_dir, tmp_path):
-    """The engine's worker process writes the mapped slabs, this process reads them: the states are today's
-    (pageable, CPU's default) bit for bit, chunked prefill included."""
-    prompts, _, pageable, _ = smol
-    with running_llm(smollm2_dir, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False,
-                     dtype="bfloat16", max_model_len=256, max_num_batched_tokens=32) as llm:
-        _, mapped = capture(llm, prompts, SMOL_IDS, tmp_path / "hand_over", handover="mapped")
+def test_mapped_hand_over_across_processes_equals_pageable(smol):
+    """The engine's worker process writes the mapped slabs, this process reads them: the same prompts' states
+    are the pageable hand-over's (CPU's default) bit for bit, chunked prefill included."""
+    _, _, pageable, _, mapped = smol
     for ours, reference in zip(mapped, pageable, strict=True):
         assert ours.keys() == reference.keys()
         assert all(torch.equal(ours[name], reference[name]) for name in reference)
