@@ -362,7 +362,7 @@ def markdown(report: dict) -> str:
     if report.get("served"):
         lines += ["", f"## vLLM's own counters (06's serve, k={K}) against the simulation", "",
                   "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
-                  "AL / simulated (README: which is which).", "",
+                  "AL / simulated (docs/06_validate.md: which is which).", "",
                   "| draft | " + " | ".join(sources) + " | all prompts |", "|---|" + "---|" * (len(sources) + 1)]
         both = lambda run, s=None: "{:.3f} / {} / {:.3f}".format(  # noqa: E731
             (run["by_source"][s] if s else run)["mean_acceptance_length"],

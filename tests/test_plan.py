@@ -1,4 +1,4 @@
-"""`python -m eagle3_pipeline plan`: the README's cost table is what the command prints, the arithmetic matches a
+"""`python -m eagle3_pipeline plan`: docs/cost.md's table is what the command prints, the arithmetic matches a
 hand computation from the published and measured figures, and a config that does not say its size is refused."""
 
 from __future__ import annotations
@@ -18,18 +18,12 @@ from tests.conftest import ROOT
 KIMI = ROOT / "configs" / "kimi_k25.yaml"
 
 
-def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## What a Kimi-K2.5 draft costs\n")
-    return text[start:text.index("\n## ", start + 1)]
-
-
-def test_the_readme_table_is_what_plan_prints():
-    section = readme_section()
+def test_the_cost_page_is_what_plan_prints():
+    section = (ROOT / "docs" / "cost.md").read_text()
     command = re.search(r"```bash\n(python -m eagle3_pipeline plan [^\n]+)\n```", section).group(1)
     args = parser().parse_args(shlex.split(command)[3:])
     printed = plan_text(args)
-    assert printed in section, "README.md's cost table is stale: rerun the command in its section and paste it"
+    assert printed in section, "docs/cost.md is stale: rerun the command there and paste its output"
     result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stdout == printed
@@ -51,7 +45,7 @@ def test_one_row_against_a_hand_computation():
         "01 regeneration, target alone": regeneration, "01 regeneration, with a draft": regeneration / 1.18,
         "02 capture, offline (once)": capture, "02 capture, stream (per epoch)": capture,
         "04 training (per epoch)": training, "06 validation": validation}, rel=1e-3)
-    assert regeneration == pytest.approx(3742.5, abs=0.1)  # the README's 3,743
+    assert regeneration == pytest.approx(3742.5, abs=0.1)  # docs/cost.md's 3,743
 
     one_node = plan.layout_totals(stages, data, "01 regeneration, target alone", None)
     assert one_node == pytest.approx((regeneration + capture + training + validation,
