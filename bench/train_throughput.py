@@ -6,8 +6,8 @@ weights, fused AdamW and gradient clipping, in one process one after the other:
 
     ours                  eagle3_pipeline.train.step.train_step on draft_model.Eagle3Draft with the config's
                           train section as shipped (configs/kimi_k25.yaml: what 04_train runs), lm_head trained
-    ours <knob>=<value>   the same with one speed option switched: train.compile, train.loss_chunk_rows,
-                          train.fp8 (compile and fp8 on GPU only)
+    ours <knob>=<value>   the same with one option switched: train.compile, train.loss_chunk_rows, train.optimizer
+                          (Muon's Newton-Schulz iterations per step), train.fp8 (compile and fp8 on GPU only)
     speculators           speculators' Eagle3DraftModel.forward (its torch.compile'd forward, simple_flex_attention,
                           `resolve_loss_config("kl_div", "eager")`: its default fused loss fails under torch 2.11),
                           lm_head frozen as its trainer leaves it, the same optimizer step
@@ -149,7 +149,8 @@ def stand_in_missing_modules(names) -> None:
 
 def variants(train, device) -> dict:
     """"ours" (the config's train section as shipped) and "ours <knob>=<other value>" for each speed option."""
-    alternatives = {"loss_chunk_rows": None if train.loss_chunk_rows else CHUNK_ROWS}
+    alternatives = {"loss_chunk_rows": None if train.loss_chunk_rows else CHUNK_ROWS,
+                    "optimizer": "muon" if train.optimizer == "adamw" else "adamw"}  # Muon's step costs more
     if device.type == "cuda":  # compile and fp8 act on GPUs only
         alternatives |= {"compile": not train.compile, "fp8": not train.fp8}
     options = {"ours": train}
@@ -210,8 +211,8 @@ def prepared_draft(config, batch, device, attention: str, train=None):
         model.lm_head.weight.requires_grad_(False)
     else:
         accelerate_draft(model, train, device)
-    optimizer = make_optimizer(model.to(device), config.train)
-    scheduler = lr_schedule(optimizer, config.train)
+    optimizer = make_optimizer(model.to(device), train or config.train)  # speculators' model: our AdamW
+    scheduler = lr_schedule(optimizer, train or config.train)
     model, optimizer = accelerator.prepare(model, optimizer)
     return accelerator, model, optimizer, scheduler
 
@@ -303,7 +304,7 @@ def measure(name: str, train, config, batch, ttt_steps: int, warmup: int, steps:
            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     if train is not None:
-        run["options"] = train.model_dump(include={"compile", "loss_chunk_rows", "fp8", "attention"})
+        run["options"] = train.model_dump(include={"compile", "loss_chunk_rows", "fp8", "attention", "optimizer"})
     if profile:
         run["profile"] = profile_steps(step, ttt_steps, device)
     accelerator.free_memory(model)

@@ -21,7 +21,8 @@ def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
                                       "--steps", "1", "--out", str(out)])
     bench.main()
     result = json.loads(out.read_text())
-    assert set(result["runs"]) == {"ours", "ours loss_chunk_rows=1024", "speculators"}
+    assert set(result["runs"]) == {"ours", "ours loss_chunk_rows=1024", 'ours optimizer="muon"', "speculators"}
+    assert result["runs"]['ours optimizer="muon"']["options"]["optimizer"] == "muon"
     for run in result["runs"].values():
         assert run["tokens_per_s"] > 0 and run["gflop_per_token"] > 0
     # ours trains lm_head (2048 x 256), speculators' trainer leaves it frozen
