@@ -147,8 +147,7 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
             break
         if lever not in LEVERS:
             raise SystemExit(f"--levers {lever}: not one of {', '.join(LEVERS)}")
-        overrides = LEVERS[lever]
-        overrides = [o.format(warmup=max(1, largest // 20)) for o in overrides]
+        overrides = [o.format(warmup=max(1, largest // 20)) for o in LEVERS[lever]]
         try:
             load_config(args.config, overrides)
         except ConfigError as err:  # a lever this checkout does not have
@@ -307,16 +306,17 @@ def markdown(report: dict) -> str:
                   + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s" if data.get("generation") else "")
                   + ".", ""]
     curve = [steps for steps in sorted(report["curve_steps"]) if f"ours-{steps}-s0" in drafts]
-    if len(curve) > 1:
+    if len(curve) > 1:  # a run of the largest point alone has no curve to show
         lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
                   "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for trainer in ("ours", "speculators") if len(curve) > 1 else ():
-        for steps in curve:
-            record = drafts.get(f"{trainer}-{steps}-s0")
-            if record:
-                lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
-                                                 f"{record['train_wall_s']:.0f}"] + [f"{sim(record, s):.3f}" for s in sources]
-                                                + [f"{mean_of_sources(record):.3f}", f"{sim(record):.3f}"]) + " |")
+        for trainer in ("ours", "speculators"):
+            for steps in curve:
+                record = drafts.get(f"{trainer}-{steps}-s0")
+                if record:
+                    lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
+                                                     f"{record['train_wall_s']:.0f}"]
+                                                    + [f"{sim(record, s):.3f}" for s in sources]
+                                                    + [f"{mean_of_sources(record):.3f}", f"{sim(record):.3f}"]) + " |")
     lines += ["", f"## Three seeds at the largest point ({largest} steps): mean [min, max]", "",
               "| " + " | ".join(["trainer"] + sources + ["mean of benchmarks", "all prompts"]) + " |",
               "|---" * (len(sources) + 3) + "|"]

@@ -211,8 +211,9 @@ def prepared_draft(config, batch, device, attention: str, train=None):
         model.lm_head.weight.requires_grad_(False)
     else:
         accelerate_draft(model, train, device)
-    optimizer = make_optimizer(model.to(device), train or config.train)  # speculators' model: our AdamW
-    scheduler = lr_schedule(optimizer, train or config.train)
+    options = train if train is not None else config.train  # speculators' model: the config's optimizer (AdamW)
+    optimizer = make_optimizer(model.to(device), options)
+    scheduler = lr_schedule(optimizer, options)
     model, optimizer = accelerator.prepare(model, optimizer)
     return accelerator, model, optimizer, scheduler
 

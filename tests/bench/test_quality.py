@@ -3,9 +3,12 @@ dataset class, and the token-budget match (no training, no vLLM)."""
 
 from __future__ import annotations
 
+import argparse
+
 import datasets
 import torch
 
+from bench import quality
 from bench.quality import matched_steps, spread
 from bench.speculators_trainer import train_batches, write_dataset
 from tests.train.fabricate import TINY, tiny_run
@@ -51,3 +54,28 @@ def test_token_budget_match(tmp_path):
     steps, tokens = matched_steps(rows, 2 * sum(per_epoch))
     assert tokens == sum(rows[:steps]) and abs(tokens - 2 * sum(per_epoch)) <= max(rows)
     assert spread([1.0, 3.0])["mean"] == 2.0
+
+
+def test_reuse_01_copies_the_finished_01_data_before_the_stages_run(tmp_path, monkeypatch):
+    """`--reuse-01` (bench/quality.py, bench/quality_gpu.py): the earlier 01_data is in place before 01 runs, so
+    01 finds itself complete; its seconds come from that run's manifest."""
+    earlier = tmp_path / "earlier" / "01_data"
+    earlier.mkdir(parents=True)
+    (earlier / "manifest.json").write_text('{"timings_s": {"total": 569.0}}')
+    shared = tmp_path / "shared"
+    seen = []
+
+    def stage_ran(command, log):  # each stage: what it found, and a manifest as a finished stage leaves one
+        script = next(word for word in command if word.endswith(".py"))
+        seen.append((script, (shared / "01_data" / "manifest.json").exists()))
+        stage = shared / {"01": "01_data", "02": "02_hidden_states", "03": "03_vocab"}[script[:2]]
+        stage.mkdir(parents=True, exist_ok=True)
+        if not (stage / "manifest.json").exists():
+            (stage / "manifest.json").write_text('{"timings_s": {"total": 1.0}}')
+        return 0.5
+
+    monkeypatch.setattr(quality, "run_logged", stage_ran)
+    args = argparse.Namespace(reuse_01=earlier, config=tmp_path / "unused.yaml")
+    seconds = quality.shared_stages(args, quality.Clock(), shared)
+    assert seen[0] == ("01_prepare_data.py", True)
+    assert seconds["01_prepare_data.py"] == 569.0 and seconds["02_generate_hidden_states.py"] == 1.0
