@@ -18,7 +18,8 @@ Phases (each skips the work a rerun finds complete; `--phases` picks some):
              with the largest seed-0 draft of ours as its speculative draft (`data.regenerate.speculative`): the
              generated tokens/s and acceptance 01's stats.json reports, alone on the GPU
     serve    vLLM's own counters (06's `serve`, CUDA graphs off: acceptance does not depend on them) for the final
-             rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever
+             rows: ours and speculators seed 0 at the largest point, ours at the smallest, and the best lever, one
+             engine each, all at once
 
 Writes <out>/quality_gpu.json after every draft, so a run cut short keeps what was measured; `--report` turns it
 into quality_gpu.md and quality_gpu.png beside it.
@@ -76,6 +77,7 @@ LEVERS: dict[str, list[str]] = {
     "fp8": ["train.fp8=true"],
     "optimizer-muon": ["train.optimizer=muon"],  # speculators' default optimizer
 }
+SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()
 
 
@@ -219,6 +221,10 @@ def summary_line(record: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------- serve
 def phase_serve(bench: Bench) -> None:
+    """One engine per chosen draft, each in its own process and all at once (engine starts dominate the phase);
+    each process leaves its result in measure()'s cache, which the records here are read from."""
+    import multiprocessing
+
     from eagle3_pipeline.validate.stage import eval_prompts
 
     drafts = bench.report["drafts"]
@@ -230,15 +236,24 @@ def phase_serve(bench: Bench) -> None:
         chosen.append(max(levers, key=lambda n: drafts[n]["shared_eval"][metric_key(K)]))
     from eagle3_pipeline.config import load_config
 
-    # acceptance does not depend on CUDA graphs: no compilation
-    config = load_config(bench.args.config, [f"run_dir={bench.shared}", "target.engine.enforce_eager=true"])
+    # acceptance does not depend on CUDA graphs: no compilation; the engines share the GPU
+    config = load_config(bench.args.config, [f"run_dir={bench.shared}", "target.engine.enforce_eager=true",
+                                             f"target.engine.gpu_memory_utilization={SERVE_MEMORY_SHARE}"])
     prompts = eval_prompts(config)
     served = bench.report.setdefault("served", {})
-    for name in chosen:
-        if name not in drafts or "error" in drafts[name] or name in served:
+    todo = [name for name in dict.fromkeys(chosen) if name in drafts and "error" not in drafts[name]
+            and name not in served]
+    spawn = multiprocessing.get_context("spawn")
+    engines = {name: spawn.Process(target=measure, args=(bench.args, Clock(), dict(drafts[name], trainer=name), K,
+                                                         config, prompts)) for name in todo}
+    for process in engines.values():
+        process.start()
+    for name, process in engines.items():
+        process.join()
+        if process.exitcode:  # not recorded: a rerun serves it again
+            bench.clock.say(f"serve {name}: its process exited with {process.exitcode} (log above)")
             continue
-        record = dict(drafts[name], trainer=name)
-        result = measure(bench.args, bench.clock, record, K, config, prompts)
+        result = measure(bench.args, bench.clock, dict(drafts[name], trainer=name), K, config, prompts)  # cached
         served[name] = {key: value for key, value in result.items() if key != "outputs"}
         bench.record("served", served)
 
