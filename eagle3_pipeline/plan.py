@@ -71,7 +71,12 @@ HANDOVER = Rate(
 TRAINING = Rate(
     "04 training, Kimi draft shape", 34_586, "tokens/s per H200", "measured here",
     "bench/results/train_long_samples_h200.json: configs/kimi_k25.yaml's draft and train sections (compile, fp8, "
-    "packed 16,384), one H200; the draft is Kimi's, so no scaling")
+    "packed 16,384) with train.optimizer adamw, one H200; the draft is Kimi's, so no scaling")
+MUON_STEP = Rate(
+    "04 step time, Muon over AdamW, Kimi draft shape", 760.2 / 476.8, "ratio", "measured here",
+    "bench/results/train_throughput_h200_muon.json: the same train section with train.optimizer adamw and muon, one "
+    "H200 (476.8 and 760.2 ms a step): Muon's Newton-Schulz iterations over fc's and the decoder layer's matrices, "
+    "which every DDP rank repeats")
 DDP_EFFICIENCY = Rate(
     "04 scaling efficiency over GPUs", 0.863, "fraction", "measured here",
     "bench/results/train_scaling_h200x2.json: 2 H200, Kimi draft in bf16, packed 4096; assumed to hold on 8 and more")
@@ -83,7 +88,7 @@ ENGINE_START = Rate(
     "neither measured here nor found published: 554 GB of weights over 8 ranks plus CUDA-graph capture")
 
 RATES = (REGENERATION, SPECULATIVE_SPEEDUP, DEEPSEEK_PREFILL, DEEPSEEK_CACHE_HITS, ACTIVE_PARAMETERS, PRECISION,
-         HANDOVER, TRAINING, DDP_EFFICIENCY, SINGLE_STREAM, ENGINE_START)
+         HANDOVER, TRAINING, MUON_STEP, DDP_EFFICIENCY, SINGLE_STREAM, ENGINE_START)
 
 
 def prefill_tokens_per_s() -> float:
@@ -97,8 +102,10 @@ def capture_tokens_per_s() -> float:
     return 1 / (1 / prefill_tokens_per_s() + HANDOVER.value * 1e-6)
 
 
-def training_tokens_per_s(gpus: int) -> float:
-    return TRAINING.value * gpus * (DDP_EFFICIENCY.value if gpus > 1 else 1.0)
+def training_tokens_per_s(gpus: int, optimizer: str) -> float:
+    """04 at the Kimi draft's shape with `train.optimizer`: a Muon step takes MUON_STEP times an AdamW one."""
+    per_gpu = TRAINING.value / (MUON_STEP.value if optimizer == "muon" else 1.0)
+    return per_gpu * gpus * (DDP_EFFICIENCY.value if gpus > 1 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,8 @@ def stage_gpu_hours(config: RunConfig, data: Data) -> dict[str, float | None]:
         "01 regeneration, with a draft": None if regeneration is None else regeneration / SPECULATIVE_SPEEDUP.value,
         "02 capture, offline (once)": capture,
         "02 capture, stream (per epoch)": capture,
-        "04 training (per epoch)": sample_tokens / training_tokens_per_s(GPUS_PER_NODE) * node_hours,
+        "04 training (per epoch)": sample_tokens / training_tokens_per_s(GPUS_PER_NODE, config.train.optimizer)
+        * node_hours,
         "06 validation": validation_seconds(config) * node_hours,
     }
 
@@ -162,15 +170,15 @@ def validation_seconds(config: RunConfig) -> float:
     return engines * (ENGINE_START.value + batched + one_at_a_time)
 
 
-def split_layout(capture_nodes: int | None, trainer_nodes: int) -> tuple[int, int]:
+def split_layout(capture_nodes: int | None, trainer_nodes: int, optimizer: str) -> tuple[int, int]:
     """(capture nodes, trainer nodes); by default as many capture nodes as keep the trainer nodes busy."""
     if capture_nodes is None:
-        trainer_rate = training_tokens_per_s(trainer_nodes * GPUS_PER_NODE)
+        trainer_rate = training_tokens_per_s(trainer_nodes * GPUS_PER_NODE, optimizer)
         capture_nodes = max(1, round(trainer_rate / capture_tokens_per_s()))
     return capture_nodes, trainer_nodes
 
 
-def layout_totals(stages: dict[str, float | None], data: Data, regeneration: str | None,
+def layout_totals(stages: dict[str, float | None], regeneration: str | None,
                   split: tuple[int, int] | None) -> tuple[float, float]:
     """(GPU-hours, wall hours) of one epoch: 01 as `regeneration` says (a stage name, None: skipped) and 06 on one
     node; 02 and 04 in turn on that node (split None) or at once on capture and trainer nodes (stream mode), where
@@ -181,8 +189,7 @@ def layout_totals(stages: dict[str, float | None], data: Data, regeneration: str
         return gpu_hours, gpu_hours / GPUS_PER_NODE
     capture_nodes, trainer_nodes = split
     stream_wall = max(stages["02 capture, stream (per epoch)"] / (capture_nodes * GPUS_PER_NODE),
-                      data.conversations * data.sample_tokens / training_tokens_per_s(trainer_nodes * GPUS_PER_NODE)
-                      / 3600)
+                      stages["04 training (per epoch)"] / (trainer_nodes * GPUS_PER_NODE))
     return (one_node + stream_wall * (capture_nodes + trainer_nodes) * GPUS_PER_NODE,
             one_node / GPUS_PER_NODE + stream_wall)
 
@@ -198,7 +205,7 @@ def render(config: RunConfig, path: str, conversations: int | None = None, answe
     runs = [plan_data(config, path, conversations, answer, prompt_tokens or DEFAULT_PROMPT_TOKENS)
             for answer in answer_tokens or [None]]
     stages = [stage_gpu_hours(config, data) for data in runs]
-    split = split_layout(capture_nodes, trainer_nodes)
+    split = split_layout(capture_nodes, trainer_nodes, config.train.optimizer)
     first = runs[0]
     counted = "--conversations" if conversations is not None else "the sum of data.sources' sizes"
     prompts = "--prompt-tokens" if prompt_tokens else "assumed: the config does not say; pass --prompt-tokens"
@@ -231,7 +238,7 @@ def render(config: RunConfig, path: str, conversations: int | None = None, answe
               "|---|---|" + "---|" * len(runs)]
     for layout, nodes in layouts.items():
         for case, regeneration in cases.items():
-            totals = [layout_totals(s, d, regeneration, nodes) for s, d in zip(stages, runs)]
+            totals = [layout_totals(s, regeneration, nodes) for s in stages]
             lines.append(f"| {layout} | {case} | "
                          + " | ".join(f"{hours(gpu)} ({hours(wall)})" for gpu, wall in totals) + " |")
 
@@ -245,21 +252,21 @@ def render(config: RunConfig, path: str, conversations: int | None = None, answe
     configured = ("01 regeneration, with a draft" if regenerate.speculative else "01 regeneration, target alone"
                   ) if regenerate.enabled else None
     lines += ["", "Dominant term (one node, the config's own data path): " + "; ".join(
-        f"{d.answer_tokens:,}-token answers: {dominant(s, d, configured)}" for s, d in zip(stages, runs)) + ".", ""]
-    lines += rates_table()
+        f"{d.answer_tokens:,}-token answers: {dominant(s, configured)}" for s, d in zip(stages, runs)) + ".", ""]
+    lines += rates_table(train.optimizer)
     return "\n".join(lines) + "\n"
 
 
-def dominant(stages: dict[str, float | None], data: Data, regeneration: str | None) -> str:
+def dominant(stages: dict[str, float | None], regeneration: str | None) -> str:
     """The largest stage of the one-node total, and its share of it."""
     parts = {name: stages[name] for name in (regeneration, "02 capture, offline (once)", "04 training (per epoch)",
                                                "06 validation") if name}
-    total, _ = layout_totals(stages, data, regeneration, None)
+    total, _ = layout_totals(stages, regeneration, None)
     name = max(parts, key=parts.get)
     return f"{name} ({parts[name] / total:.0%})"
 
 
-def rates_table() -> list[str]:
+def rates_table(optimizer: str) -> list[str]:
     lines = ["| rate | value | unit | kind | where it comes from |", "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.value:,.0f} | {r.unit} | {r.kind} | {r.provenance} |" if r.value >= 100 else
               f"| {r.name} | {r.value:.4g} | {r.unit} | {r.kind} | {r.provenance} |" for r in RATES]
@@ -267,6 +274,7 @@ def rates_table() -> list[str]:
                  f"{DEEPSEEK_PREFILL.value:,.0f} x (1 - {DEEPSEEK_CACHE_HITS.value}) x 37/32 x 989/1979 |")
     lines.append(f"| 02 capture | {capture_tokens_per_s():,.0f} | tokens/s per 8xH200 node | derived here | "
                  f"1 / (1 / prefill + {HANDOVER.value:.2f} us): the hand-over follows the prefill |")
-    lines.append(f"| 04 training | {training_tokens_per_s(GPUS_PER_NODE):,.0f} | tokens/s per 8xH200 node | derived "
-                 f"here | {TRAINING.value:,.0f} x 8 x {DDP_EFFICIENCY.value} |")
+    muon = f" / {MUON_STEP.value:.4g} (train.optimizer muon)" if optimizer == "muon" else ""
+    lines.append(f"| 04 training | {training_tokens_per_s(GPUS_PER_NODE, optimizer):,.0f} | tokens/s per 8xH200 node | "
+                 f"derived here | {TRAINING.value:,.0f} x 8 x {DDP_EFFICIENCY.value}{muon} |")
     return lines

@@ -38,7 +38,7 @@ def test_one_row_against_a_hand_computation():
     regeneration = 600_000 * 3000 / (16.7 * 64) * node
     prefill = 73_700 * (1 - 0.563) * 37 / 32 * 989 / 1979
     capture = 600_000 * 4000 * (1 / prefill + 5.216e-6) * node
-    training = 600_000 * 4000 / (34_586 * 8 * 0.863) * node
+    training = 600_000 * 4000 / (34_586 / (760.2 / 476.8) * 8 * 0.863) * node  # train.optimizer muon
     # 06: an engine with the draft at k=3 and one without, each: start, 256 prompts x 512 tokens batched, 8 alone
     validation = 2 * (600 + 256 * 512 / (16.7 * 64) + 8 * 512 / 91.2) * node
     assert stages == pytest.approx({
@@ -47,14 +47,15 @@ def test_one_row_against_a_hand_computation():
         "04 training (per epoch)": training, "06 validation": validation}, rel=1e-3)
     assert regeneration == pytest.approx(3742.5, abs=0.1)  # docs/cost.md's 3,743
 
-    one_node = plan.layout_totals(stages, data, "01 regeneration, target alone", None)
+    one_node = plan.layout_totals(stages, "01 regeneration, target alone", None)
     assert one_node == pytest.approx((regeneration + capture + training + validation,
                                       (regeneration + capture + training + validation) / 8), rel=1e-3)
-    split = plan.split_layout(None, 1)
-    assert split == (14, 1)  # 238,782 training tokens/s of one node over 16,964 captured per node
-    stream_hours = max(capture / (14 * 8), training / 8)
-    assert plan.layout_totals(stages, data, None, split) == pytest.approx(
-        (validation + stream_hours * 15 * 8, validation / 8 + stream_hours), rel=1e-3)
+    split = plan.split_layout(None, 1, "muon")
+    assert split == (9, 1)  # 149,765 Muon training tokens/s of one node over 16,964 captured per node
+    assert plan.split_layout(None, 1, "adamw") == (14, 1)  # 238,782 with AdamW
+    stream_hours = max(capture / (9 * 8), training / 8)
+    assert plan.layout_totals(stages, None, split) == pytest.approx(
+        (validation + stream_hours * 10 * 8, validation / 8 + stream_hours), rel=1e-3)
 
 
 def test_answers_are_capped_by_max_tokens_and_samples_by_max_seq_len():

@@ -85,9 +85,10 @@ def test_each_loss_trains_the_draft(tmp_path, capsys, loss, chunk_rows):
 
 @pytest.mark.slow
 def test_two_processes_follow_the_one_process_curve(tmp_path):
-    one, _ = tiny_run(tmp_path, "one", grad_accumulation=2)
+    """With Muon, configs/kimi_k25.yaml's optimizer (the resume test below runs AdamW over processes)."""
+    one, _ = tiny_run(tmp_path, "one", grad_accumulation=2, optimizer="muon")
     loop.run(one)
-    two, two_yaml = tiny_run(tmp_path, "two", grad_accumulation=1)  # same global batch: 2 x 1 x 1
+    two, two_yaml = tiny_run(tmp_path, "two", grad_accumulation=1, optimizer="muon")  # same global batch: 2 x 1 x 1
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "04_train.py", "--config", str(two_yaml)],
