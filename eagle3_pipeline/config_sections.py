@@ -295,7 +295,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="muon = torch.optim.Muon on the 2-D weights of fc and the decoder layer (its update "
-        "RMS matched to AdamW's, so learning_rate serves both), AdamW on lm_head and the norms: speculators' default"
+        "RMS matched to AdamW's, so learning_rate serves both), AdamW on lm_head and the norms: speculators' default; "
+        "under DDP the ranks split its Newton-Schulz iterations"
     )
     muon_weight_decay: float = Field(0.1, ge=0, description="Muon's decoupled weight decay (optimizer muon)")
     freeze_lm_head: bool = Field(False, description="true = lm_head stays the verifier's rows (speculators freezes it)")

@@ -11,6 +11,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 FLOAT_INPUTS = ("aux", "final")
 
@@ -33,7 +34,12 @@ def make_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
 
 class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon on `matrices`, AdamW on `rest`, as one optimizer: the schedule, accelerate and the
-    checkpoints see one set of parameter groups (the two optimizers' own, shared) and one state."""
+    checkpoints see one set of parameter groups (the two optimizers' own, shared) and one state.
+
+    Under DDP with several processes every rank holds the same averaged gradients, so Muon's Newton-Schulz
+    iterations (most of its cost) would be repeated on each: instead each matrix is orthogonalised by one rank
+    (`matrix_owners`) and broadcast from it. The result is the same as one process's; each matrix's momentum
+    lives on its owner until `state_dict` gathers it."""
 
     def __init__(self, matrices: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], train):
         # match_rms_adamw scales Muon's orthogonalised update to AdamW's RMS: one learning rate serves both
@@ -55,10 +61,56 @@ class MuonAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # replaces the groups and the state: share them again
         self._share()
 
+    def _matrices(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.muon.param_groups for p in group["params"]]
+
+    def _owners(self) -> list[int] | None:
+        """The rank that orthogonalises each matrix, or None where this process does them all (one process, or
+        FSDP, whose sharded matrices torch's Muon orthogonalises as DTensors)."""
+        from torch.distributed.tensor import DTensor
+
+        matrices = self._matrices()
+        if not (dist.is_initialized() and dist.get_world_size() > 1) or any(isinstance(p, DTensor) for p in matrices):
+            return None
+        return matrix_owners([tuple(p.shape) for p in matrices], dist.get_world_size())
+
     @torch.no_grad()
     def step(self, closure=None):
-        self.muon.step()
+        owners = self._owners()
+        if owners is None:
+            self.muon.step()
+        else:
+            rank = dist.get_rank()
+            others = {p: p.grad for p, owner in zip(self._matrices(), owners) if owner != rank}
+            for p in others:
+                p.grad = None  # torch's Muon skips a parameter without a gradient
+            self.muon.step()
+            for p, grad in others.items():
+                p.grad = grad
+            works = [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in zip(self._matrices(), owners)]
+            for work in works:
+                work.wait()
         self.adamw.step()
+
+    def state_dict(self) -> dict:
+        """The whole state on every rank: under DDP each matrix's momentum is first broadcast from its owner (a
+        collective: every rank calls it, as checkpoint.save_checkpoint does)."""
+        owners = self._owners()
+        for p, owner in zip(self._matrices(), owners or []):
+            momentum = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            dist.broadcast(momentum, src=owner)
+        return super().state_dict()
+
+
+def matrix_owners(shapes: list[tuple[int, int]], world_size: int) -> list[int]:
+    """A rank per matrix, balancing Newton-Schulz cost (min(m, n)^2 x max(m, n) per iteration): the costliest
+    first, each to the least loaded rank (the lowest on a tie), so every rank computes the same answer."""
+    load = [0] * world_size
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -min(shapes[i]) ** 2 * max(shapes[i])):
+        owners[i] = min(range(world_size), key=load.__getitem__)
+        load[owners[i]] += min(shapes[i]) ** 2 * max(shapes[i])
+    return owners
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, train) -> torch.optim.lr_scheduler.LambdaLR:

@@ -1,4 +1,5 @@
-"""The optimizers of `train.optimizer`: Muon + AdamW acts as one optimizer for the schedule and checkpoints."""
+"""The optimizers of `train.optimizer`: Muon + AdamW acts as one optimizer for the schedule and checkpoints, and
+under DDP its ranks split Muon's matrices."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from eagle3_pipeline.train import checkpoint
-from eagle3_pipeline.train.step import MuonAdamW, lr_schedule, make_optimizer
+from eagle3_pipeline.train.step import MuonAdamW, lr_schedule, make_optimizer, matrix_owners
+from tests.mooncake_master import free_port
 
 SINGLE_PROCESS = SimpleNamespace(is_main_process=True, process_index=0, wait_for_everyone=lambda: None)
 TRAIN = SimpleNamespace(optimizer="muon", learning_rate=1e-2, muon_weight_decay=0.1, weight_decay=0.0,
@@ -75,3 +77,47 @@ def test_muon_resumed_from_a_checkpoint_continues_exactly(tmp_path):
     steps(resumed, fresh_optimizer, fresh_scheduler, 3, seed=2)
     for a, b in zip(straight.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b)
+
+
+class TwoMatrices(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.proj(self.fc(x))))
+
+
+def ddp_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    """One of `world_size` gloo processes: 3 Muon steps on the gradients every rank holds after DDP's all-reduce,
+    then which matrices' momentum this rank computed and the state_dict a checkpoint takes."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    try:
+        model = TwoMatrices()
+        optimizer = make_optimizer(model, TRAIN)
+        steps(model, optimizer, lr_schedule(optimizer, TRAIN), 3, seed=1)
+        computed = [i for i, p in enumerate(optimizer._matrices()) if "momentum_buffer" in optimizer.state[p]]
+        torch.save({"computed": computed, "state": optimizer.state_dict(),
+                    "params": [p.detach().clone() for p in model.parameters()]}, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_ranks_split_muons_matrices_and_end_where_one_process_does(tmp_path):
+    assert matrix_owners([(4, 6), (4, 4)], 3) == [0, 1]  # fc costs 4^2 x 6, proj 4^2 x 4: rank 2 has none
+    assert matrix_owners([(8, 8), (2, 8), (2, 8), (4, 8)], 2) == [0, 1, 1, 1]
+    torch.multiprocessing.spawn(ddp_rank, args=(3, free_port(), str(tmp_path)), nprocs=3)
+
+    model = TwoMatrices()
+    optimizer = make_optimizer(model, TRAIN)
+    steps(model, optimizer, lr_schedule(optimizer, TRAIN), 3, seed=1)
+    whole = optimizer.state_dict()
+    for rank, computed in enumerate([[0], [1], []]):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert saved["computed"] == computed
+        for got, want in zip(saved["params"], model.parameters()):
+            torch.testing.assert_close(got, want)
+        for index, state in whole["state"].items():  # momentum (gathered) and AdamW's moments
+            for key, value in state.items():
+                torch.testing.assert_close(saved["state"]["state"][index][key], value)
