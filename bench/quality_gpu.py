@@ -76,6 +76,8 @@ LEVERS: dict[str, list[str]] = {
     "lr-3e-3": ["train.learning_rate=3.0e-3"],
     "fp8": ["train.fp8=true"],
     "optimizer-muon": ["train.optimizer=muon"],  # speculators' default optimizer
+    "muon-lr2e-4": ["train.optimizer=muon", "train.learning_rate=2.0e-4"],  # 1e-4 was tuned with AdamW
+    "muon-lr4e-4": ["train.optimizer=muon", "train.learning_rate=4.0e-4"],
 }
 SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()
