@@ -75,8 +75,8 @@ TRAINING = Rate(
 MUON_STEP = Rate(
     "04 step time, Muon over AdamW, Kimi draft shape", 760.2 / 476.8, "ratio", "measured here",
     "bench/results/train_throughput_h200_muon.json: the same train section with train.optimizer adamw and muon, one "
-    "H200 (476.8 and 760.2 ms a step): Muon's Newton-Schulz iterations over fc's and the decoder layer's matrices, "
-    "which every DDP rank repeats")
+    "H200 (476.8 and 760.2 ms a step): Muon's Newton-Schulz iterations over fc's and the decoder layer's matrices. "
+    "DDP ranks split them (docs/04_train.md), which is not measured, so the plan keeps one GPU's ratio")
 DDP_EFFICIENCY = Rate(
     "04 scaling efficiency over GPUs", 0.863, "fraction", "measured here",
     "bench/results/train_scaling_h200x2.json: 2 H200, Kimi draft in bf16, packed 4096; assumed to hold on 8 and more")

@@ -64,30 +64,31 @@ class MuonAdamW(torch.optim.Optimizer):
     def _matrices(self) -> list[torch.nn.Parameter]:
         return [p for group in self.muon.param_groups for p in group["params"]]
 
-    def _owners(self) -> list[int] | None:
+    @staticmethod
+    def _owners(matrices: list[torch.nn.Parameter]) -> list[int] | None:
         """The rank that orthogonalises each matrix, or None where this process does them all (one process, or
         FSDP, whose sharded matrices torch's Muon orthogonalises as DTensors)."""
         from torch.distributed.tensor import DTensor
 
-        matrices = self._matrices()
         if not (dist.is_initialized() and dist.get_world_size() > 1) or any(isinstance(p, DTensor) for p in matrices):
             return None
         return matrix_owners([tuple(p.shape) for p in matrices], dist.get_world_size())
 
     @torch.no_grad()
     def step(self, closure=None):
-        owners = self._owners()
+        matrices = self._matrices()
+        owners = self._owners(matrices)
         if owners is None:
             self.muon.step()
         else:
             rank = dist.get_rank()
-            others = {p: p.grad for p, owner in zip(self._matrices(), owners) if owner != rank}
+            others = {p: p.grad for p, owner in zip(matrices, owners) if owner != rank}
             for p in others:
                 p.grad = None  # torch's Muon skips a parameter without a gradient
             self.muon.step()
             for p, grad in others.items():
                 p.grad = grad
-            works = [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in zip(self._matrices(), owners)]
+            works = [dist.broadcast(p.data, src=owner, async_op=True) for p, owner in zip(matrices, owners)]
             for work in works:
                 work.wait()
         self.adamw.step()
@@ -95,8 +96,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The whole state on every rank: under DDP each matrix's momentum is first broadcast from its owner (a
         collective: every rank calls it, as checkpoint.save_checkpoint does)."""
-        owners = self._owners()
-        for p, owner in zip(self._matrices(), owners or []):
+        matrices = self._matrices()
+        for p, owner in zip(matrices, self._owners(matrices) or []):
             momentum = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
             dist.broadcast(momentum, src=owner)
         return super().state_dict()
@@ -105,11 +106,12 @@ class MuonAdamW(torch.optim.Optimizer):
 def matrix_owners(shapes: list[tuple[int, int]], world_size: int) -> list[int]:
     """A rank per matrix, balancing Newton-Schulz cost (min(m, n)^2 x max(m, n) per iteration): the costliest
     first, each to the least loaded rank (the lowest on a tie), so every rank computes the same answer."""
+    costs = [min(shape) ** 2 * max(shape) for shape in shapes]
     load = [0] * world_size
     owners = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: -min(shapes[i]) ** 2 * max(shapes[i])):
+    for i in sorted(range(len(shapes)), key=lambda i: -costs[i]):
         owners[i] = min(range(world_size), key=load.__getitem__)
-        load[owners[i]] += min(shapes[i]) ** 2 * max(shapes[i])
+        load[owners[i]] += costs[i]
     return owners
 
 
