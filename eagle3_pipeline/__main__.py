@@ -2,7 +2,8 @@
 
     python -m eagle3_pipeline config configs/demo.yaml [--set train.max_steps=10]   # validate, print resolved
     python -m eagle3_pipeline stand-ins [NAME ...]                                  # build stand-in targets
-    python -m eagle3_pipeline stages                                                # the stages, in order
+    python -m eagle3_pipeline stages [--config configs/demo.yaml]                   # the stages, in order
+                                                                                    # (and their state in run_dir)
     python -m eagle3_pipeline config-reference                                      # docs/config.md
     python -m eagle3_pipeline plan configs/kimi_k25.yaml --conversations 600000 --answer-tokens 1000 3000
                                                                                     # GPU-hours per stage
@@ -15,10 +16,10 @@ import sys
 
 import yaml
 
-from eagle3_pipeline.config import ConfigError, load_config
+from eagle3_pipeline.config import ConfigError, RunConfig, load_config
 from eagle3_pipeline.config_reference import reference
 from eagle3_pipeline.plan import PlanError, render
-from eagle3_pipeline.stage_io import STAGES
+from eagle3_pipeline.stage_io import STAGES, Stage
 from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
 
 
@@ -32,7 +33,11 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     build = commands.add_parser("stand-ins", help="build stand-in targets into the cache")
     build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
-    commands.add_parser("stages", help="list the stages: script, module, what each reads and writes")
+    stages = commands.add_parser("stages", help="list the stages: script, module, what each reads and writes; with "
+                                 "--config, each one's state in the config's run_dir (complete, stale and why, "
+                                 "partial, missing)")
+    stages.add_argument("--config", help="a run config: show each stage's state in its run_dir")
+    stages.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     commands.add_parser("config-reference", help="print docs/config.md: every knob, type, default, description")
     add_plan_parser(commands)
     return parser
@@ -43,7 +48,12 @@ def main() -> int:
     args = parser().parse_args()
 
     if args.command == "stages":
-        print_stages()
+        try:
+            config = load_config(args.config, args.overrides) if args.config else None
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return 2
+        print_stages(config)
         return 0
     if args.command == "config-reference":
         print(reference(), end="")
@@ -103,12 +113,15 @@ def plan_text(args: argparse.Namespace) -> str:
                   args.capture_nodes, args.trainer_nodes)
 
 
-def print_stages() -> None:
-    """Each stage under its one name (its folder under run_dir): script, module, inputs, outputs."""
+def print_stages(config: RunConfig | None) -> None:
+    """Each stage under its one name (its folder under run_dir): script, module, inputs, outputs; with a config,
+    its state in that config's run_dir."""
     for spec in STAGES.values():
         reads = ", ".join(spec.inputs) or "the config's data sources and the target"
         print(f"{spec.name}\n  script   {spec.script}\n  module   {spec.module}\n  reads    {reads}\n"
               f"  writes   {spec.name}/: {spec.writes}")
+        if config is not None:
+            print(f"  state    {Stage(config, spec.name).state()}")
 
 if __name__ == "__main__":
     sys.exit(main())

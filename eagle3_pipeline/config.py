@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from eagle3_pipeline import config_reads
 from eagle3_pipeline.config_sections import (
@@ -25,6 +26,8 @@ from eagle3_pipeline.config_sections import (
     TrainConfig,
     ValidateConfig,
     VocabConfig,
+    is_runtime,
+    nested_models,
 )
 
 
@@ -56,6 +59,26 @@ class RunConfig(Section):
     def section(self, name: str) -> dict[str, Any]:
         """One top-level section as plain JSON data (by its YAML name)."""
         return self.model_dump(mode="json", by_alias=True)[name]
+
+
+def field_at(dotted_key: str) -> FieldInfo:
+    """The schema field a dotted YAML key names (`target`, `capture.stream.window_gb`; a list of sections is
+    entered as its entries: `data.sources.limit`)."""
+    model, field = RunConfig, None
+    for part in dotted_key.split("."):
+        if model is None:
+            raise KeyError(dotted_key)
+        field = next((f for name, f in model.model_fields.items() if (f.alias or name) == part), None)
+        if field is None:
+            raise KeyError(dotted_key)
+        model = next(iter(nested_models(field.annotation)), None)
+    return field
+
+
+def is_runtime_knob(dotted_key: str) -> bool:
+    """True when the knob, or a section holding it, says how a stage runs rather than what it makes."""
+    parts = dotted_key.split(".")
+    return any(is_runtime(field_at(".".join(parts[:n]))) for n in range(1, len(parts) + 1))
 
 
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:

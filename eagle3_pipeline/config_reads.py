@@ -51,7 +51,7 @@ def record_if_requested(config: Any) -> None:
 def _walk(section: Any, path: str) -> None:
     from pydantic import BaseModel
 
-    from eagle3_pipeline.config_reference import nested_models  # config_reference imports config, which imports this
+    from eagle3_pipeline.config_sections import nested_models  # config_sections imports this module
 
     _paths[id(section)] = path
     _sections.append(section)

@@ -16,13 +16,22 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config import RunConfig, is_runtime_knob
+from eagle3_pipeline.config_sections import nested_models
+from eagle3_pipeline.stage_io import stages_made_stale_by
 
 HEADER = """# Config reference
 
 Generated from the schema (`eagle3_pipeline/config.py`) by `python -m eagle3_pipeline config-reference`;
 `tests/test_config_reference.py` keeps this file equal to it. A run config is one YAML file with `run_dir` and
 the sections below; every script takes `--config FILE` and `--set section.key=value` (the value is YAML).
+
+Column `kind`: a knob either defines what stages make (`output`, followed by the stages a change makes stale:
+those that read it and every stage made from them; rerun from the first) or says only how a stage runs
+(`runtime`: memory, workers, cadences, chunk sizes, timeouts). Changing a runtime knob leaves every finished stage
+complete, and partial work resumes under the new value. `runtime, within noise` marks the few that can move
+results by float rounding only; the description says why. `python -m eagle3_pipeline stages --config FILE` shows
+each stage's state in a run_dir, and a stale stage names the knobs that changed.
 """
 
 
@@ -33,13 +42,6 @@ def section_models(model: type[BaseModel], path: str = "") -> list[tuple[str, ty
         for nested in nested_models(field.annotation):
             found += section_models(nested, f"{path}.{field.alias or name}".lstrip("."))
     return found
-
-
-def nested_models(annotation: Any) -> list[type[BaseModel]]:
-    """The sections a field holds: itself, in a list, or optional."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for argument in typing.get_args(annotation) for model in nested_models(argument)]
 
 
 def type_name(annotation: Any) -> str:
@@ -67,6 +69,16 @@ def default_text(field) -> str:
     return f"`{json.dumps(value, default=str)}`"
 
 
+def knob_kind(key: str, field) -> str:
+    """`output (NN, ...)`, `runtime` or `runtime, within noise`; `section` for a section of knobs of both kinds."""
+    if is_runtime_knob(key):
+        return "runtime, within noise" if (field.json_schema_extra or {}).get("within_noise") else "runtime"
+    if nested_models(field.annotation):
+        return "section"
+    stale = stages_made_stale_by(key)
+    return f"output ({', '.join(name[:2] for name in stale)})" if stale else "output (where the run lives)"
+
+
 def reference() -> str:
     """docs/config.md's text."""
     lines = [HEADER]
@@ -79,10 +91,13 @@ def reference() -> str:
         first_path[model] = title
         doc = " ".join((model.__doc__ or "").split())
         lines += [f"## {title}", ""] + ([doc, ""] if doc else [])
-        lines += ["| key | type | default | description |", "|---|---|---|---|"]
+        lines += ["| key | type | default | kind | description |", "|---|---|---|---|---|"]
         for name, field in model.model_fields.items():
             key = field.alias or name
-            description = " ".join((field.description or "").split()).replace("|", "\\|")
-            lines.append(f"| `{key}` | {type_name(field.annotation)} | {default_text(field)} | {description} |")
+            noise = (field.json_schema_extra or {}).get("within_noise")
+            description = field.description + (f". Within noise: {noise}" if noise else "")
+            description = " ".join(description.split()).replace("|", "\\|")
+            kind = knob_kind(f"{path}.{key}".lstrip("."), field)
+            lines.append(f"| `{key}` | {type_name(field.annotation)} | {default_text(field)} | {kind} | {description} |")
         lines.append("")
     return "\n".join(lines)

@@ -7,10 +7,13 @@ ConfigError naming the key path.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from eagle3_pipeline import config_reads
 
@@ -19,6 +22,38 @@ STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tikto
 # need BFCL's executable function classes; the Java and JavaScript ones BFCL rewrites to string parameters)
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
                    "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
+
+
+def runtime(default: Any = PydanticUndefined, *, within_noise: str | None = None, **kwargs: Any) -> Any:
+    """A knob that says how a stage runs, not what it makes (memory shares, worker counts, cadences, timeouts, chunk
+    sizes the readers do not depend on). It is never fingerprinted: changing it leaves every finished stage complete,
+    and partial work resumes under the new value. `within_noise` says why a knob that can move results at all moves
+    them only within numerical noise (a test holds the tolerance)."""
+    kind = {"knob": "runtime", **({"within_noise": within_noise} if within_noise else {})}
+    return Field(default, json_schema_extra=kind, **kwargs)
+
+
+def is_runtime(field: FieldInfo) -> bool:
+    return isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("knob") == "runtime"
+
+
+def nested_models(annotation: Any) -> list[type[BaseModel]]:
+    """The sections a field holds: itself, in a list, or optional."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in typing.get_args(annotation) for model in nested_models(argument)]
+
+
+def output_part(annotation: Any, value: Any) -> Any:
+    """`value`, plain data of a field typed `annotation`, without the runtime knobs of the sections it holds: what
+    a stage's fingerprint hashes, and what its stale message compares."""
+    models = nested_models(annotation)
+    if not models or value is None:
+        return value
+    if isinstance(value, list):
+        return [output_part(models[0], item) for item in value]
+    return {key: output_part(field.annotation, value[key]) for name, field in models[0].model_fields.items()
+            if (key := field.alias or name) in value and not is_runtime(field)}
 
 
 class Section(BaseModel):
@@ -35,21 +70,32 @@ class Section(BaseModel):
 class EngineConfig(Section):
     """How vLLM runs the target (stages 01 when it generates, 02 and 06)."""
 
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (8 for Kimi-K2.5 on H200)")
+    tensor_parallel_size: int = runtime(
+        1, ge=1, description="GPUs per engine (8 for Kimi-K2.5 on H200)",
+        within_noise="its all-reduces sum the same products in another order: states and logits differ by float "
+        "rounding (tests/capture/test_stage.py holds tensor parallel 2 to 1 within float32 rounding)",
+    )
     max_model_len: int = Field(4096, ge=16, description="longest prompt + output the engine accepts")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
-    max_num_seqs: int = Field(64, ge=1, description="requests the engine batches together")
-    kv_cache_memory_gb: float | None = Field(
+    gpu_memory_utilization: float = runtime(0.9, gt=0.0, le=1.0, description="fraction of GPU memory vLLM takes")
+    max_num_seqs: int = runtime(
+        64, ge=1, description="requests the engine batches together",
+        within_noise="a request's tokens are computed alone per row: other rows in the batch change a kernel's "
+        "reduction order at most, which moves a greedy answer only at a near-tie",
+    )
+    kv_cache_memory_gb: float | None = runtime(
         None, gt=0, description="KV cache size in GiB; null = what gpu_memory_utilization leaves after vLLM measures "
         "its own peak. An explicit size skips that measure, which other processes allocating on the same GPU at the "
         "same time (a trainer in stream mode, another engine) can upset (vLLM: no memory for the cache blocks). "
         "On a machine without a GPU, null = 0.5 GiB",
     )
-    enforce_eager: bool = Field(False, description="skip CUDA graphs (faster start, slower decode)")
+    enforce_eager: bool = runtime(
+        False, description="skip CUDA graphs (faster start, slower decode)",
+        within_noise="a CUDA graph replays the same kernels; only the batch padding around them differs",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="weights and activations dtype; auto = the checkpoint's (bf16 for Kimi)"
     )
-    cpu_reserved_cores: int | None = Field(
+    cpu_reserved_cores: int | None = runtime(
         None, ge=0, description="vLLM CPU only: cores kept free of its OpenMP workers (VLLM_CPU_NUM_OF_RESERVED_CPU); "
         "null = vLLM's default (one per worker); 0 = every core, fastest on a machine running nothing else",
     )
@@ -149,7 +195,8 @@ class RegenerateConfig(Section):
     thinking: bool = Field(
         True, description="Kimi thinking mode: template keyword `thinking` (target.chat_template_kwargs wins)"
     )
-    chunk_size: int = Field(64, ge=1, description="conversations per resumable chunk")
+    chunk_size: int = runtime(64, ge=1, description="conversations per resumable chunk (partial work resumes in the "
+                                "chunks it began with)")
     speculative: SpeculativeRegenerationConfig | None = Field(
         None, description="null: the target alone. {draft, num_speculative_tokens}: generate with the draft; the "
         "answers stay the target's (temperature 0: equal to those without it except at near-ties, where batch "
@@ -200,24 +247,24 @@ class MooncakeConfig(Section):
 class StreamConfig(Section):
     """capture.mode stream: 02 and 04 run at once and the states pass through a bounded window."""
 
-    transport: Literal["directory", "mooncake"] = Field(
+    transport: Literal["directory", "mooncake"] = runtime(
         "directory", description="directory = a folder both sides see (`dir`); mooncake = a Mooncake store, for "
         "capture and trainer nodes that share no filesystem (`mooncake`)",
     )
-    mooncake: MooncakeConfig = Field(MooncakeConfig(), description="transport mooncake: the master and this process's part")
-    dir: str | None = Field(
+    mooncake: MooncakeConfig = runtime(MooncakeConfig(), description="transport mooncake: the master and this process's part")
+    dir: str | None = runtime(
         None, description="folder the states pass through: local NVMe or /dev/shm on one node, a shared filesystem "
         "(NFS, Lustre) when 02 and 04 run on different machines; null = <run_dir>/02_hidden_states/stream",
     )
-    window_gb: float = Field(
+    window_gb: float = runtime(
         4.0, gt=0, description="most GB (1e9 bytes) of captured states not yet trained on, all capture jobs together "
         "(each job gets window_gb / num_shards); 02 waits while its share is full",
     )
-    wait_timeout_s: float = Field(
+    wait_timeout_s: float = runtime(
         1800.0, gt=0, description="a side that waits this long for the other exits 1 naming it (04 writes a "
         "checkpoint first); rerun the side that stopped and the stream goes on",
     )
-    poll_s: float = Field(0.2, gt=0, description="how often a waiting side looks again")
+    poll_s: float = runtime(0.2, gt=0, description="how often a waiting side looks again")
 
 
 class CaptureConfig(Section):
@@ -228,13 +275,18 @@ class CaptureConfig(Section):
     method: Literal["auto", "extract_hidden_states", "worker_extension"] = Field(
         "auto", description="auto = vLLM's extract_hidden_states from 0.18 on (not for MLA targets), else the worker extension"
     )
-    samples_per_shard: int = Field(256, ge=1, description="samples per safetensors shard: the unit a rerun redoes")
-    batch_size: int = Field(16, ge=1, description="samples sent to the engine at once")
+    samples_per_shard: int = runtime(256, ge=1, description="samples per safetensors shard: the unit a rerun redoes "
+                                "(partial work resumes in the shards it began with; 04 reads states through the index)")
+    batch_size: int = runtime(
+        16, ge=1, description="samples sent to the engine at once",
+        within_noise="each sample's states are its own rows of the batch: other samples change a kernel's reduction "
+        "order at most (tests/capture/test_stage.py holds batch 1 to the batched states within bf16 rounding)",
+    )
     mode: Literal["offline", "stream"] = Field(
         "offline", description="offline = 02 stores every sample's states, then 04 trains; stream = 02 and 04 run "
         "at the same time, 02 capturing in 04's pack order epoch after epoch, each pack deleted once trained on",
     )
-    stream: StreamConfig = Field(StreamConfig(), description="stream mode: where the window lives, its size, timeouts")
+    stream: StreamConfig = runtime(StreamConfig(), description="stream mode: where the window lives, its size, timeouts")
 
     @model_validator(mode="after")
     def _valid_ids(self) -> CaptureConfig:
@@ -338,11 +390,11 @@ class TrainConfig(Section):
         False, description="GPU with float8 units (Hopper), needs torchao: float8 matrix products (tensorwise "
         "scales) for fc and the decoder layer; lm_head and the verifier head stay bf16"
     )
-    num_workers: int = Field(2, ge=0, description="data loader processes per rank (0 = in the training process)")
-    checkpoint_every: int = Field(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
-    keep_checkpoints: int = Field(3, ge=1, description="older checkpoints are deleted once a newer one is complete")
-    eval_every: int = Field(500, ge=1, description="optimizer steps between evaluations on the eval split")
-    log_every: int = Field(10, ge=1, description="optimizer steps between train metric records")
+    num_workers: int = runtime(2, ge=0, description="data loader processes per rank (0 = in the training process)")
+    checkpoint_every: int = runtime(500, ge=1, description="optimizer steps between checkpoints (and at the end)")
+    keep_checkpoints: int = runtime(3, ge=1, description="older checkpoints are deleted once a newer one is complete")
+    eval_every: int = runtime(500, ge=1, description="optimizer steps between evaluations on the eval split")
+    log_every: int = runtime(10, ge=1, description="optimizer steps between train metric records")
     seed: int = Field(0, description="initialisation, pack order and data loader randomness")
 
     @model_validator(mode="after")

@@ -6,7 +6,9 @@ is the only proof that a stage finished; it records the resolved config, a finge
 sections the stage depends on, the manifests of its inputs, package versions, counts and timings.
 
 A stage starts only when every input stage is complete and was produced under the current config;
-a complete stage is not redone unless forced.
+a complete stage is not redone unless forced. "The current config" means its output knobs: a knob the schema
+declares `runtime` (config_sections.runtime: memory shares, worker counts, cadences, chunk sizes) says how a stage
+runs, not what it makes, so it is in no fingerprint and changing it makes nothing stale.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle3_pipeline.config import RunConfig
+from eagle3_pipeline.config import RunConfig, field_at
+from eagle3_pipeline.config_sections import output_part
 
 MANIFEST = "manifest.json"
 STREAM = "stream.json"  # written first by a stage that hands its output over while it runs (02 in stream mode)
@@ -46,12 +49,9 @@ class StageSpec:
     module: str  # the module whose `run()` the script calls
     owns: tuple[str, ...]  # the modules and packages that belong to this stage alone (no earlier stage imports them)
     sections: tuple[str, ...]  # config sections ("draft") or single keys ("draft.draft_vocab_size") whose
-    # values change this stage's output
+    # output knobs change this stage's output (their runtime knobs are left out)
     inputs: tuple[str, ...]  # earlier stages it reads
     writes: str  # what its folder holds
-    # config entries it reads that change none of its outputs, each with its reason where the stage is declared;
-    # everything else it reads is in `sections` or in an earlier stage's (tests/stage_reads.py checks it)
-    unfingerprinted: tuple[str, ...] = ()
 
 
 STAGES: dict[str, StageSpec] = {
@@ -62,11 +62,8 @@ STAGES: dict[str, StageSpec] = {
                   "tokenized, assistant-only loss-masked train and eval splits, token frequencies, stats"),
         StageSpec("02_hidden_states", "02_generate_hidden_states.py", "eagle3_pipeline.capture.stage",
                   ("eagle3_pipeline.capture",),
-                  ("target", "capture.aux_layer_ids", "capture.dtype", "capture.method", "capture.samples_per_shard",
-                   "capture.batch_size", "capture.mode"), ("01_data",),
-                  "the target's aux and final hidden states per sample, in verified shards, and their index",
-                  # where and how much states wait on their way to 04 changes no tensor
-                  unfingerprinted=("capture.stream",)),
+                  ("target", "capture"), ("01_data",),
+                  "the target's aux and final hidden states per sample, in verified shards, and their index"),
         StageSpec("03_vocab", "03_build_vocab_map.py", "eagle3_pipeline.vocab", ("eagle3_pipeline.vocab",),
                   ("vocab", "draft.draft_vocab_size"), ("01_data",), "the draft vocabulary: d2t, t2d, coverage"),
         StageSpec("04_train", "04_train.py", "eagle3_pipeline.train.loop", ("eagle3_pipeline.train",),
@@ -91,13 +88,40 @@ def upstream_of(name: str) -> set[str]:
     return found
 
 
+def stages_made_stale_by(key: str) -> list[str]:
+    """The stages a change of output knob `key` makes stale: those whose fingerprint covers it, and every stage
+    made from them."""
+    covering = {name for name, spec in STAGES.items()
+                if any(key == entry or key.startswith(entry + ".") for entry in spec.sections)}
+    return [name for name in STAGES if name in covering or upstream_of(name) & covering]
+
+
 def config_values(config: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    """The values a stage depends on, from a resolved config as plain data: whole sections or `section.key`."""
+    """The values a stage depends on, from a resolved config as plain data: whole sections or `section.key`,
+    without their runtime knobs."""
     values = {}
     for name in names:
         section, _, key = name.partition(".")
-        values[name] = (config.get(section) or {}).get(key) if key else config.get(section)
+        value = (config.get(section) or {}).get(key) if key else config.get(section)
+        values[name] = output_part(field_at(name).annotation, value)
     return values
+
+
+def changed_knobs(recorded: Any, current: Any, key: str = "") -> list[str]:
+    """`key: recorded -> current` for each knob whose value differs (sections and lists of sections entry by
+    entry, `data.sources[1].limit`), as a stale message names them."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        return [change for name in {**recorded, **current}
+                for change in changed_knobs(recorded.get(name), current.get(name), f"{key}.{name}".lstrip("."))]
+    if (isinstance(recorded, list) and isinstance(current, list) and len(recorded) == len(current)
+            and all(isinstance(item, dict) for item in recorded + current)):
+        return [change for i, pair in enumerate(zip(recorded, current)) for change in changed_knobs(*pair, f"{key}[{i}]")]
+    return [] if recorded == current else [f"{key}: {_shown(recorded)} -> {_shown(current)}"]
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def fingerprint(data: Any) -> str:
@@ -214,14 +238,11 @@ class Stage:
         manifest = read_proof(self.run_dir / name)
         if manifest is None:
             raise StageError(f"{self.spec.name} needs {name}, which is missing or incomplete: {self._rerun_hint(spec)}")
-        if manifest.get("fingerprint") != fingerprint(config_values(self.resolved, spec.sections)):
-            changed = ", ".join(self._changed(manifest, spec)) or "unknown"
-            raise StageError(f"{name} was produced under a different config (changed: {changed}): "
-                             f"{self._rerun_hint(spec)} --force")
-        for earlier in sorted(upstream_of(name)):
+        for earlier in [stage for stage in STAGES if stage in upstream_of(name)] + [name]:  # the earliest first
             if changed := self._changed(manifest, STAGES[earlier]):
-                raise StageError(f"{name} was made from {earlier} under a different config (changed: "
-                                 f"{', '.join(changed)}): {self._rerun_hint(STAGES[earlier])} --force, then the stages after it")
+                made = "was produced" if earlier == name else f"was made from {earlier}"
+                raise StageError(f"{name} {made} under a different config (changed: {'; '.join(changed)}): "
+                                 f"{self._rerun_hint(STAGES[earlier])} --force, then the stages after it")
         for upstream, recorded in manifest.get("inputs", {}).items():
             present = _manifest_hash(self.run_dir / upstream)
             if present is not None and recorded != present:
@@ -230,11 +251,11 @@ class Stage:
                 )
         return _manifest_hash(self.run_dir / name)
 
-    def _changed(self, manifest: dict[str, Any], spec: StageSpec) -> list[str]:
-        """The sections of `spec` whose values differ between the config `manifest` records and the current one."""
-        recorded = config_values(manifest.get("config", {}), spec.sections)
-        current = config_values(self.resolved, spec.sections)
-        return [section for section in spec.sections if recorded[section] != current[section]]
+    def _changed(self, record: dict[str, Any], spec: StageSpec) -> list[str]:
+        """The output knobs of `spec` whose values differ between the config `record` (a manifest, a stream header,
+        a partial stage's start record) holds and the current one, with both values."""
+        return changed_knobs(config_values(record.get("config", {}), spec.sections),
+                             config_values(self.resolved, spec.sections))
 
     # ----------------------------------------------------------------------------------- lifecycle
     def is_complete(self) -> bool:
@@ -244,17 +265,44 @@ class Stage:
         manifest = read_manifest(self.dir)
         if manifest is None:
             return False
-        if manifest.get("fingerprint") != self.fingerprint:
-            raise StageError(
-                f"{self.dir} holds a finished run under a different config; "
-                f"rerun with --force to replace it, or choose another run_dir"
-            )
-        inputs_now = {name: _manifest_hash(self.run_dir / name) for name in self.spec.inputs}
-        if manifest.get("inputs") != inputs_now:
-            raise StageError(f"{self.spec.name} is older than its inputs, which were redone since: rerun with --force")
-        self.check_inputs()  # an earlier stage made under another config makes this one stale too
+        if stale := self.stale_reason(manifest):
+            raise StageError(stale)
         print(f"{self.spec.name}: already complete ({self.dir / MANIFEST}); nothing to do (--force redoes it)")
         return True
+
+    def stale_reason(self, manifest: dict[str, Any]) -> str | None:
+        """Why this stage's finished output (`manifest`) is not current under this config and its inputs, naming
+        the earliest stage to redo; None when it is current."""
+        try:
+            self.check_inputs()  # an earlier stage made under another config makes this one stale too
+        except StageError as err:
+            return str(err)
+        if changed := self._changed(manifest, self.spec):
+            return (f"{self.dir} holds a finished run under a different config (changed: {'; '.join(changed)}): "
+                    f"rerun with --force to replace it, or choose another run_dir")
+        inputs_now = {name: _manifest_hash(self.run_dir / name) for name in self.spec.inputs}
+        if manifest.get("inputs") != inputs_now:
+            return f"{self.spec.name} is older than its inputs, which were redone since: rerun with --force"
+        return None
+
+    def state(self) -> str:
+        """This stage's state in its run_dir, in one line: complete, stale (and why), streaming, partial or missing."""
+        manifest = read_manifest(self.dir)
+        if manifest is not None:
+            return f"stale: {stale}" if (stale := self.stale_reason(manifest)) else "complete"
+        if read_json(self.dir / STREAM) is not None:
+            return "streaming: its output is handed over while it runs (no manifest yet)"
+        started = read_json(self.dir / STARTED)
+        if started is None:
+            return "missing"
+        try:
+            self.check_inputs()
+        except StageError as err:
+            return f"partial, and its inputs are not current: {err}"
+        if started.get("fingerprint") != self.fingerprint:
+            changed = "; ".join(self._changed(started, self.spec)) or "its inputs"
+            return f"partial, under a different config ({changed}): --force discards it"
+        return "partial: rerunning its script resumes it"
 
     def begin(self) -> None:
         """Check inputs, then prepare the folder: fresh when forced, otherwise resumable work is kept."""
@@ -267,12 +315,24 @@ class Stage:
         if started.exists():
             previous = json.loads(started.read_text())
             if previous.get("fingerprint") != self.fingerprint or previous.get("inputs") != self.input_hashes:
-                raise StageError(
-                    f"{self.dir} holds partial work under a different config or inputs: rerun with --force to discard it"
-                )
+                changed = "; ".join(self._changed(previous, self.spec)) or "its inputs were redone"
+                raise StageError(f"{self.dir} holds partial work under a different config or inputs ({changed}): "
+                                 f"rerun with --force to discard it")
+            self.begun_under = previous.get("config", self.resolved)
             print(f"{self.spec.name}: resuming partial work in {self.dir}")
         else:
-            write_json_atomic(started, {"fingerprint": self.fingerprint, "inputs": self.input_hashes})
+            self.begun_under = self.resolved
+            write_json_atomic(started, {"fingerprint": self.fingerprint, "inputs": self.input_hashes,
+                                        "config": self.resolved})
+
+    def layout_knob(self, key: str) -> Any:
+        """A runtime knob that cuts the work into resumable pieces (`capture.samples_per_shard`), as this stage's
+        work began with it: partial work resumes in its own pieces whatever the config says now."""
+        begun, current = _value_at(self.begun_under, key), _value_at(self.resolved, key)
+        if begun != current:
+            print(f"{self.spec.name}: resuming in the pieces its work began with: {key} {begun} (the config's "
+                  f"{current} applies to a fresh run)")
+        return begun
 
     def path(self, relative: str) -> Path:
         return self.dir / relative
@@ -312,6 +372,12 @@ class Stage:
         (self.dir / STARTED).unlink(missing_ok=True)
         print(f"{self.spec.name}: done in {manifest['timings_s']['total']:.1f} s -> {self.dir}")
         return manifest
+
+
+def _value_at(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config[part]
+    return config
 
 
 def stream_identity(stage_dir: Path) -> str | None:

@@ -11,8 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.config import ConfigError, RunConfig, parse_config
-from eagle3_pipeline.config_reference import section_models
+from eagle3_pipeline.config import ConfigError, RunConfig, field_at, is_runtime_knob, parse_config
 from eagle3_pipeline.stage_io import STAGES, Stage, StageError, upstream_of
 from eagle3_pipeline.target import target_facts
 
@@ -38,21 +37,10 @@ def recorded_reads(reads_dir: Path) -> dict[str, list[str]]:
 
 
 def uncovered_reads(reads: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Per stage, each key it read that neither its fingerprint nor an earlier stage's covers."""
-    found = {name: [k for k in keys if not is_covered(k, covering(name) + STAGES[name].unfingerprinted)]
+    """Per stage, each output knob it read that neither its fingerprint nor an earlier stage's covers."""
+    found = {name: [k for k in keys if not is_covered(k, covering(name)) and not is_runtime_knob(k)]
              for name, keys in reads.items()}
     return {name: keys for name, keys in found.items() if keys}
-
-
-def field_of(key: str):
-    """The pydantic field a dotted key names."""
-    *section, leaf = key.split(".")
-    models = dict(section_models(RunConfig))
-    model = models[".".join(section)]
-    for name, field in model.model_fields.items():
-        if (field.alias or name) == leaf:
-            return field
-    raise KeyError(key)
 
 
 def candidates(value: Any, annotation: Any) -> list[Any]:
@@ -89,7 +77,7 @@ def changed_config(config: RunConfig, key: str) -> RunConfig | None:
     for node in sections_holding(tree, key.split(".")[:-1]):
         leaf = key.split(".")[-1]
         special = [target_facts(config)] if key == "export.target_facts" else []  # facts must match the target
-        for candidate in special + candidates(node[leaf], field_of(key).annotation):
+        for candidate in special + candidates(node[leaf], field_at(key).annotation):
             if candidate == node[leaf]:
                 continue
             original, node[leaf] = node[leaf], candidate
@@ -119,15 +107,14 @@ def still_complete(config: RunConfig, name: str) -> bool:
 
 
 def check_fingerprints_cover_reads(config: RunConfig, reads_dir: Path) -> dict[str, int]:
-    """Every key each stage read is covered, and changing it leaves that stage no longer complete; the number of
-    keys changed per stage."""
+    """Every output knob each stage read is covered, and changing it leaves that stage no longer complete (a runtime
+    knob read changes nothing: tests/test_knob_kinds.py); the number of keys changed per stage."""
     reads = recorded_reads(reads_dir)
     assert not uncovered_reads(reads), f"keys read but not fingerprinted: {uncovered_reads(reads)}"
     assert all(still_complete(config, name) for name in STAGES), "the finished run must be complete as it is"
     changed_per_stage = {}
     for name, keys in reads.items():
-        exempt = STAGES[name].unfingerprinted
-        keys = [k for k in keys if k not in LOCATION and k not in BOUND and not is_covered(k, exempt)]
+        keys = [k for k in keys if k not in LOCATION and k not in BOUND and not is_runtime_knob(k)]
         unchangeable = [k for k in keys if changed_config(config, k) is None]
         assert not unchangeable, f"{name}: no other valid value found for {unchangeable}"
         stale_missed = [k for k in keys if still_complete(changed_config(config, k), name)]

@@ -108,7 +108,7 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
           f"{config.capture.mode} mode")
 
     # Offline, every sample goes into shards; streaming, only the eval split (04 evaluates on it again and again).
-    plans = plan_shards([s for s in samples if not streaming or s.split == "eval"], config.capture.samples_per_shard)
+    plans = plan_shards([s for s in samples if not streaming or s.split == "eval"], stage.layout_knob("capture.samples_per_shard"))
     # Jobs that share no folder (Mooncake transport): job 0 captures the eval split and publishes the folder
     # with the stream's header; the other jobs fetch it before they stream.
     shared = not streaming or stream.shares_folder(config)

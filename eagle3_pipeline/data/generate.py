@@ -52,7 +52,8 @@ def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, mode
     With `data.regenerate.speculative` the target's engine drafts with that draft."""
     regenerate = config.data.regenerate
     todo = [c for c in conversations if c.magpie is not None or regenerate.enabled]
-    chunks = [todo[i: i + regenerate.chunk_size] for i in range(0, len(todo), regenerate.chunk_size)]
+    chunk_size = stage.layout_knob("data.regenerate.chunk_size")
+    chunks = [todo[i: i + chunk_size] for i in range(0, len(todo), chunk_size)]
     paths = [stage.path(f"{CHUNK_DIR}/chunk-{k:05d}.jsonl") for k in range(len(chunks))]
     missing = [k for k, path in enumerate(paths) if not path.exists()]
     if todo:

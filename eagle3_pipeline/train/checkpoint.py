@@ -121,7 +121,7 @@ def adopt_split(stage: Stage, packs_per_step: int) -> None:
         return  # something besides the split changed: Stage.begin refuses, as for any other config change
     if state["packs_per_step"] != packs_per_step:
         raise StageError(_other_batch(found[-1], state["packs_per_step"], packs_per_step))
-    write_json_atomic(started, {**recorded, "fingerprint": stage.fingerprint})
+    write_json_atomic(started, {**recorded, "fingerprint": stage.fingerprint, "config": stage.resolved})
     print(f"04_train: resuming {found[-1].name}, written by {state.get('processes', '?')} process(es) x "
           f"micro_batch_size {state['micro_batch_size']} x grad_accumulation {state['grad_accumulation']}, with "
           f"another split of the same global batch ({packs_per_step} packs per step)")
