@@ -191,8 +191,11 @@ def test_killed_regeneration_resumes_and_generates_every_sample_once(tmp_path):
     kept = {path.name: (path.stat().st_mtime_ns, path.read_text()) for path in chunks.glob("chunk-*.jsonl")}
     assert 1 <= len(kept) < 4, "the kill should land after the first chunk and before the last"
 
-    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # resumed under other runtime knobs: the chunks the work began with are kept, whatever chunk_size says now
+    resumed_with = ["--set", "data.regenerate.chunk_size=3", "--set", "target.engine.max_num_seqs=5"]
+    second = subprocess.run(command + resumed_with, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
+    assert "resuming in the pieces its work began with: data.regenerate.chunk_size 2" in second.stdout
     assert f"8 conversations in 4 chunks, {len(kept)} already done" in second.stdout
     for name, (mtime, text) in kept.items():  # finished chunks were read, not generated again
         assert (chunks / name).stat().st_mtime_ns == mtime and (chunks / name).read_text() == text

@@ -19,7 +19,7 @@ from eagle3_pipeline.stage_io import StageError, read_manifest
 from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
 from tests.conftest import CONFIGS, ROOT
-from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, smollm2_humaneval_inputs, tiny_run
+from tests.train.fabricate import SMOLLM2_AUX_LAYER_IDS, smollm2_humaneval_inputs, tiny_run, tiny_run_config
 
 LEARNED = ("loss_0", "acc_0", "loss_1", "acc_1", "loss_2", "acc_2")
 
@@ -43,7 +43,10 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, capsys, choices):
     with pytest.raises(StageError, match="holds checkpoints up to step_4 .* add --resume .* or --force"):
         loop.run(resumed)
 
-    loop.run(resumed, resume=True)
+    # resumed with other runtime knobs (a loader process, another checkpoint cadence): the same run carries on
+    runtime_changed, _ = tiny_run_config(resumed.run_dir, tmp_path / "target", num_workers=1, checkpoint_every=5,
+                                         **choices)
+    loop.run(runtime_changed, resume=True)
     assert "resumed from" in capsys.readouterr().out
     want, got = records(straight.run_dir), records(resumed.run_dir)
     assert sorted(got) == sorted(want) == list(range(1, 7))
