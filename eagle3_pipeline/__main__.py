@@ -19,8 +19,8 @@ import yaml
 from eagle3_pipeline.config import ConfigError, RunConfig, load_config
 from eagle3_pipeline.config_reference import reference
 from eagle3_pipeline.plan import PlanError, render
-from eagle3_pipeline.stage_io import STAGES, Stage
-from eagle3_pipeline.stand_ins import BUILDERS, ensure_stand_in
+from eagle3_pipeline.stage_io import STAGES, Stage, StageError
+from eagle3_pipeline.stand_ins import BUILDERS, GPU_ONLY, ensure_stand_in
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("path")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     build = commands.add_parser("stand-ins", help="build stand-in targets into the cache")
-    build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all)")
+    build.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BUILDERS)} (default: all but "
+                       f"{', '.join(GPU_ONLY)}, which train on a GPU)")
     stages = commands.add_parser("stages", help="list the stages: script, module, what each reads and writes; with "
                                  "--config, each one's state in the config's run_dir (complete, stale and why, "
                                  "partial, missing)")
@@ -78,8 +79,12 @@ def main() -> int:
     if unknown:
         print(f"unknown stand-in {', '.join(unknown)}; choose from {', '.join(BUILDERS)}", file=sys.stderr)
         return 2
-    for name in args.names or BUILDERS:
-        print(f"{name}: {ensure_stand_in(name)}")
+    for name in args.names or [name for name in BUILDERS if name not in GPU_ONLY]:
+        try:
+            print(f"{name}: {ensure_stand_in(name)}")
+        except StageError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -17,7 +17,7 @@ from pydantic_core import PydanticUndefined
 
 from eagle3_pipeline import config_reads
 
-STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken")
+STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken", "tiny-kimi-k25-learned")
 # BFCL v4's single-turn categories, all with functions in Python syntax (the multi-turn, memory and web-search ones
 # need BFCL's executable function classes; the Java and JavaScript ones BFCL rewrites to string parameters)
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
@@ -108,7 +108,8 @@ class TargetConfig(Section):
     stand_in: Literal[STAND_IN_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="build and use a local stand-in target instead of `path`; tiny-kimi-k25 has a fast tokenizer "
         "(tokenizer.json), tiny-kimi-k25-tiktoken the same model with Kimi's remote-code tiktoken tokenizer (same ids; "
-        "needs trust_remote_code)",
+        "needs trust_remote_code); tiny-kimi-k25-learned the same architecture trained as a language model on worked "
+        "answers (built on a GPU: a draft has something to learn from it)",
     )
     trust_remote_code: bool = Field(
         False, description="allow the target folder's own Python code (required when its tokenizer is code, as "

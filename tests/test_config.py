@@ -17,7 +17,8 @@ SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
 
 
 def test_every_shipped_config_validates():
-    assert [p.name for p in SHIPPED] == ["demo.yaml", "demo_gpu.yaml", "kimi_k25.yaml", "tiny_kimi.yaml"]
+    assert [p.name for p in SHIPPED] == ["demo.yaml", "demo_gpu.yaml", "demo_kimi_gpu.yaml", "kimi_k25.yaml",
+                                        "tiny_kimi.yaml"]
     for path in SHIPPED:
         load_config(path)
 

@@ -6,6 +6,8 @@
   Kimi's special tokens and chat format) that exercises the Kimi code paths, with a fast tokenizer.
 - `tiny-kimi-k25-tiktoken`: the same model with the tokenizer the real checkpoint ships: Kimi's
   remote-code `TikTokenTokenizer` (same ids), loaded only with `trust_remote_code`.
+- `tiny-kimi-k25-learned`: the tiny Kimi with its text model trained as a language model on worked answers
+  (learned_kimi.py), so that a draft has something to learn; built on a GPU only (GPU_ONLY).
 
 Each is built once into the cache (`$EAGLE3_CACHE_DIR`, default `~/.cache/eagle3_pipeline`) and rebuilt
 only when missing. Builds go to a temporary folder renamed into place, so a killed build leaves nothing
@@ -30,7 +32,9 @@ BUILDERS = {
     "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1, {}),
     "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 4, {"tokenizer": "fast"}),
     "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 3, {"tokenizer": "tiktoken"}),
+    "tiny-kimi-k25-learned": ("eagle3_pipeline.stand_ins.learned_kimi", 1, {"tokenizer": "fast"}),
 }
+GPU_ONLY = ("tiny-kimi-k25-learned",)  # trains for minutes on a GPU, hours on a CPU: not among the default builds
 
 
 def cache_dir() -> Path:
