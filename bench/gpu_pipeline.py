@@ -96,6 +96,13 @@ PHASES = [
       capture_overhead("extract_hidden_states")]],
     # the GPU demo alone on the GPU, 01-06: the per-stage figures
     [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"])]],
+    # the learned tiny Kimi (a Kimi-architecture target a draft can learn from): built, then 01-06 under both
+    # runners (the MRv2 job starts from the V1 job's 01_data)
+    [[Job("learned-kimi-build", "configs/demo_kimi_gpu.yaml",
+          bench=["-m", "eagle3_pipeline", "stand-ins", "tiny-kimi-k25-learned"]),
+      Job("learned-kimi-v1", "configs/demo_kimi_gpu.yaml", ALL, [], {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
+     [Job("learned-kimi-mrv2", "configs/demo_kimi_gpu.yaml", ALL[1:], [], {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+          "learned-kimi-v1")]],
 ]
 LOCK = threading.Lock()
 

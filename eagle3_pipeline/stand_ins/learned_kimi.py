@@ -33,7 +33,7 @@ from eagle3_pipeline.stand_ins import tiny_kimi
 SEED = 20261204
 HELD_OUT_EVERY = 20  # every 20th chat is held out for the report
 MAX_TOKENS = 1024  # longer chats are left out (a few MATH500 solutions)
-STEPS, TOKENS_PER_BATCH, PEAK_LR, WARMUP = 1500, 32768, 2e-3, 100
+STEPS, TOKENS_PER_BATCH, PEAK_LR, WARMUP = 2000, 16384, 2e-3, 100
 GREEDY_SHOWN, GREEDY_TOKENS = 3, 96
 TEXT_PREFIX = "language_model."  # the text model's tensors in Moonshot's checkpoint
 
