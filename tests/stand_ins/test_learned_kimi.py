@@ -17,7 +17,7 @@ from eagle3_pipeline.stand_ins.tiny_kimi import SHARD_NAMES
 
 def test_worked_chats_are_the_wheels_answers_as_reasoning_then_a_short_answer():
     chats = learned_kimi.worked_chats()
-    assert len(chats) == 1319 + 500 + 164
+    assert len(chats) == 1319 + 164
     first = chats[0]
     assert first.user.startswith("Janet’s ducks lay 16 eggs per day.") and "\\boxed{}" in first.user
     assert first.reasoning.startswith("Janet sells 16 - 3 - 4 = 9 duck eggs a day.") and "<<" not in first.reasoning
