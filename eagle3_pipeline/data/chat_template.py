@@ -20,12 +20,14 @@ its prompts would lack the functions they ask about. Trained text is split by ki
 `reasoning` (through `</think>`), `answer` (content and end-of-turn token) and `tool_call` (the section and
 the end-of-turn token after it).
 
-The last assistant turn is laid out as it was served: its generation prompt (render of the conversation
-before it), then, when the target wrote it in this stage, its raw completion (Kimi thinking mode:
-`reasoning</think>answer`) and the end-of-turn token if the target emitted it; else the turn as the template
-writes it after a generation prompt in the full rendering. Kimi-K2.5's template drops the reasoning of
-finished turns, so a generated last turn is the only place where a final answer's reasoning is trained;
-earlier turns follow the template (as the target sees them at serving time later in the chat).
+The last assistant turn is laid out as it was served, whoever wrote it: its generation prompt (render of the
+conversation before it), then what the target emits after it. When the target wrote it in this stage, that is its
+raw completion (Kimi thinking mode: `reasoning</think>answer`) and the end-of-turn token if it emitted one; else
+the turn as the template writes it after a generation prompt in the full rendering, with the turn's reasoning
+put back before `</think>` where the template drops it (Kimi-K2.5's drops the reasoning of a finished answer,
+which the target did write when it answered in thinking mode). Earlier turns follow the template (as the target
+sees them at serving time later in the chat); `data.each_assistant_turn` lays each of them out as served in a
+sample of its own.
 
 Text is tokenized segment by segment (header, answer, ...) without added special tokens, so a mask boundary
 is always a token boundary; the special tokens are checked to encode to single ids first.
@@ -118,8 +120,8 @@ class ChatTemplate:
         self.user_prefix = user[: user.index(PROBE_USER)]  # magpie: the target continues from here
         # Kimi thinking mode: the generation prompt opens the reasoning, so a completion starts inside it
         self.opens_reasoning = self.render([{"role": "user", "content": PROBE_USER}], True).endswith(REASONING_START)
-        specials = special_tokens(tokenizer)
-        self.reasoning_end = REASONING_END if REASONING_END in specials else None
+        added = {token.content for token in tokenizer.added_tokens_decoder.values()}  # Kimi's </think> is not special
+        self.reasoning_end = REASONING_END if REASONING_END in added else None
         self.tool_calls_start = self._probe_tool_calls_start()
         # a template that ignores `tools` would serve prompts without the functions they ask about
         probe = [{"role": "user", "content": PROBE_USER}]
@@ -215,16 +217,22 @@ class ChatTemplate:
                 raise InvalidConversation("template_inconsistent")
             rendered = header + rendered[rendered.rindex(generation_prompt) + len(generation_prompt):]
         turn = _extension(header, rendered, index)
+        if served and self.opens_reasoning_after(header) and turn.startswith(REASONING_END):
+            turn = message.get("reasoning_content", "") + turn  # as the target wrote it; the template dropped it
         content = message["content"].strip()
         after_content = turn.rfind(content) + len(content) if content and content in turn else 0
         end = turn.find(self.end_of_turn, after_content)
         cut = end + len(self.end_of_turn) if end >= 0 else len(turn)
         return turn[:cut], turn[cut:]
 
+    def opens_reasoning_after(self, header: str) -> bool:
+        """The target's answer after `header` starts inside its reasoning (a thinking-mode generation prompt)."""
+        return self.reasoning_end is not None and header.endswith(REASONING_START)
+
     def _by_kind(self, answer: str, header: str) -> list[Segment]:
         """`answer` as reasoning (through `</think>`; all of it when the header opened the reasoning and it
-        never closed), answer and tool-call segments. Cuts fall at special tokens, so at token boundaries."""
-        in_reasoning = self.reasoning_end is not None and header.endswith(REASONING_START)
+        never closed), answer and tool-call segments. Cuts fall at added tokens, so at token boundaries."""
+        in_reasoning = self.opens_reasoning_after(header)
         closed = answer.find(self.reasoning_end) if self.reasoning_end else -1
         reasoning_cut = closed + len(self.reasoning_end) if closed >= 0 else len(answer) if in_reasoning else 0
         calls = answer.find(self.tool_calls_start, reasoning_cut) if self.tool_calls_start else -1

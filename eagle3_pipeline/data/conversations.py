@@ -4,7 +4,9 @@ A message is a dict `{"role": "system"|"user"|"assistant"|"tool", "content": str
 is not the assistant's may instead be a list of parts holding images, `{"type": "text", "text": str}` and
 `{"type": "image", "image": SOURCE}` (SOURCE a local path or a data URL, from a record's `image_url` part, its
 `image` part or key; the target's template writes its placeholder for each). An assistant message may
-also carry `reasoning_content` (OpenAI-style reasoning, as Kimi's API returns it), `tool_calls` (OpenAI's
+also carry `reasoning_content` (OpenAI-style reasoning, as Kimi's API returns it; records may name it
+`reasoning`, `thinking` or `thinking_content`, or write it inline: an answer `<think>R</think>A`, or `R</think>A`
+when the opener was dropped upstream, becomes reasoning R and content A), `tool_calls` (OpenAI's
 `[{"id", "type": "function", "function": {"name", "arguments"}}]`; its content may then be empty) and, when
 the target wrote it in this stage, `completion` (its raw output text) and `finished` (it ended with its
 end-of-turn token). A tool message carries `tool_call_id` (and `name` when the record gives one); its
@@ -19,7 +21,10 @@ wrote inline: an assistant `value` opens with its reasoning in `<think>...</thin
 tool-call section (`<|tool_calls_section_begin|>`, one `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS
 <|tool_call_end|>` per call, ids `functions.NAME:IDX`); a user turn's `value` may be a JSON string of OpenAI
 content parts holding images. They become `reasoning_content`, `tool_calls` and image parts, which the
-target's template lays out again; each tool turn answers the oldest call not yet answered.
+target's template lays out again; each tool turn (`from: tool` or `observation`) answers the oldest call not yet
+answered. In any schema, a user turn's `<|image|>` placeholders take the record's images in order (`images`, a
+list of paths or data URLs, or `image`); a record with fewer images than placeholders is skipped
+(`image_missing`).
 A record that cannot become a valid conversation raises `InvalidConversation` with a short reason; the
 stage counts reasons instead of failing on them.
 """
@@ -39,6 +44,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 KIMI_TOOL_CALLS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 KIMI_TOOL_CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 IMAGE_PARTS = {"image", "image_url"}  # content part types and keys holding an image
+IMAGE_PLACEHOLDER = "<|image|>"  # where a text-only user turn shows one of the record's images
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking", "thinking_content")  # the names records use
+REASONING_START, REASONING_END = "<think>", "</think>"  # reasoning written inline in an answer
 FIRST_IDS_KEPT = 5  # example ids recorded per skip reason
 
 
@@ -97,10 +105,12 @@ def to_messages(record: Any, schema: str) -> list[dict[str, Any]]:
     if not isinstance(turns, list) or not turns:
         raise InvalidConversation("no_messages")
     if schema == "messages":
-        return [_message(turn, "role", "content", {role: role for role in ROLES}) for turn in turns]
-    if schema == "kimi_mtp":
-        return _answer_calls([_kimi_mtp_message(turn) for turn in turns])
-    return _answer_calls([_sharegpt_message(turn) for turn in turns])
+        messages = [_message(turn, "role", "content", {role: role for role in ROLES}) for turn in turns]
+    elif schema == "kimi_mtp":
+        messages = _answer_calls([_kimi_mtp_message(turn) for turn in turns])
+    else:
+        messages = _answer_calls([_sharegpt_message(turn) for turn in turns])
+    return _placed_images(messages, record)
 
 
 def to_tools(record: Any) -> list[dict[str, Any]] | None:
@@ -124,14 +134,46 @@ def _message(turn: Any, role_key: str, content_key: str, roles: dict[str, str]) 
         message = {"role": role, "content": [_part(part) for part in content]}
     else:
         message = {"role": role, "content": _text(content, empty_allowed)}
-    reasoning = turn.get("reasoning_content")
-    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
-        message["reasoning_content"] = reasoning
+    if role == "assistant":
+        message |= _reasoning(turn, message["content"])
     if tool_calls:
         message["tool_calls"] = tool_calls
     if role == "tool":
         message |= {key: turn[key] for key in ("tool_call_id", "name") if isinstance(turn.get(key), str)}
     return message
+
+
+def _reasoning(turn: dict[str, Any], content: str) -> dict[str, str]:
+    """An answer's content without inline reasoning, and its reasoning (`reasoning_content`): the first reasoning
+    field the turn fills, else what the content writes before `</think>` (with or without its `<think>`)."""
+    reasoning, closed, answer = content.partition(REASONING_END)
+    reasoning, found = (reasoning.lstrip().removeprefix(REASONING_START), {"content": answer}) if closed else ("", {})
+    named = [turn[name] for name in REASONING_FIELDS if isinstance(turn.get(name), str) and turn[name].strip()]
+    reasoning = named[0] if named else reasoning
+    return found | ({"reasoning_content": reasoning} if reasoning.strip() else {})
+
+
+def _placed_images(messages: list[dict[str, Any]], record: dict[str, Any]) -> list[dict[str, Any]]:
+    """User turns' `<|image|>` placeholders replaced by image parts holding the record's images, in order."""
+    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages
+                       if m["role"] == "user" and isinstance(m["content"], str))
+    if not placeholders:
+        return messages
+    images = record.get("images", record.get("image"))
+    images = [images] if isinstance(images, str) else images if isinstance(images, list) else []
+    if len(images) < placeholders:
+        raise InvalidConversation("image_missing")
+    if not all(isinstance(image, str) and image for image in images):
+        raise InvalidConversation("malformed_image")
+    remaining = iter(images)
+    for message in messages:
+        if message["role"] == "user" and isinstance(message["content"], str) and IMAGE_PLACEHOLDER in message["content"]:
+            pieces = message["content"].split(IMAGE_PLACEHOLDER)
+            parts = [{"type": "text", "text": pieces[0]}]
+            for piece in pieces[1:]:
+                parts += [{"type": "image", "image": next(remaining)}, {"type": "text", "text": piece}]
+            message["content"] = [part for part in parts if part["type"] == "image" or part["text"]]
+    return messages
 
 
 def _role(turn: Any, role_key: str, roles: dict[str, str]) -> str:
@@ -166,8 +208,8 @@ def _sharegpt_message(turn: Any) -> dict[str, Any]:
 
 
 def _kimi_mtp_message(turn: Any) -> dict[str, Any]:
-    """A kimi-mtp-dataset turn: inline reasoning and tool calls of an assistant turn taken out of its text, a user
-    turn's JSON-encoded content parts decoded."""
+    """A kimi-mtp-dataset turn: the tool calls of an assistant turn taken out of its text (its inline reasoning
+    `_message` takes), a user turn's JSON-encoded content parts decoded."""
     message = _message(turn, "from", "value", SHAREGPT_ROLES)
     text = message["content"]
     if message["role"] != "assistant":
@@ -175,11 +217,6 @@ def _kimi_mtp_message(turn: Any) -> dict[str, Any]:
         if parts is not None:
             message["content"] = [_part(part) for part in parts]
         return message
-    think_start, think_end = "<think>", "</think>"
-    if text.lstrip().startswith(think_start) and think_end in text:
-        reasoning, text = text.lstrip()[len(think_start):].split(think_end, 1)
-        if reasoning.strip():
-            message["reasoning_content"] = reasoning
     section_start, section_end = KIMI_TOOL_CALLS
     if section_start in text:
         text, section = text.split(section_start, 1)

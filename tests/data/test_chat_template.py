@@ -56,15 +56,23 @@ def test_smollm2_masks_exactly_the_assistant_turns(smollm2):
     assert spans == ["A small assistant.<|im_end|>", "2 + 2 = 4.<|im_end|>", "You're welcome.<|im_end|>"]
 
 
-def test_kimi_masks_follow_what_the_template_renders(kimi):
+def test_kimi_masks_follow_what_the_template_renders_and_the_last_turn_as_served(kimi):
     ids, spans = masked_spans(kimi, MULTI_TURN)
-    assert ids == rendered_ids(kimi, MULTI_TURN)
     # Kimi-K2.5 renders finished turns with an empty <think></think>: their reasoning is dropped. In thinking
     # mode the generation prompt ends with <think>, so </think> is the assistant's; in instant mode it is not.
-    opener = "</think>" if kimi.template_kwargs["thinking"] else ""
-    assert spans == [f"{opener}{m['content']}<|im_end|>" for m in MULTI_TURN if m["role"] == "assistant"]
-    rendered = kimi.render(MULTI_TURN)
-    assert all(m["reasoning_content"] not in rendered for m in MULTI_TURN if m["role"] == "assistant")
+    thinking = kimi.template_kwargs["thinking"]
+    opener = "</think>" if thinking else ""
+    answers = [m for m in MULTI_TURN if m["role"] == "assistant"]
+    assert spans[:-1] == [f"{opener}{m['content']}<|im_end|>" for m in answers[:-1]]
+    assert all(m["reasoning_content"] not in kimi.render(MULTI_TURN) for m in answers)
+    # The last turn as the target served it: in thinking mode its reasoning, then </think> and the answer; the
+    # tokenizer's own rendering of the prompt and of that text is the reference.
+    served = f"{answers[-1]['reasoning_content'] if thinking else ''}{opener}{answers[-1]['content']}<|im_end|>"
+    assert spans[-1] == served
+    prompt = kimi.render(MULTI_TURN[:-1], generation_prompt=True)
+    assert ids == kimi.tokenizer(prompt + served, add_special_tokens=False)["input_ids"]
+    if not thinking:  # instant mode serves no reasoning: the whole conversation is the template's rendering
+        assert ids == rendered_ids(kimi, MULTI_TURN)
 
 
 def test_kimi_served_last_turn_keeps_the_reasoning_the_target_wrote(kimi):

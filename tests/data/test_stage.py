@@ -241,10 +241,13 @@ def test_tiny_kimi_remote_code_tokenizer_gives_the_rows_of_the_fast_one_with_kim
     for row in rows["tiktoken"]:
         ids, mask = row["input_ids"], row["loss_mask"]
         assert ids[0] == KIMI_IDS["<|im_system|>"] and ids[-1] == KIMI_IDS["<|im_end|>"] and mask[-1] == 1
-        # the last turn: <|im_assistant|>assistant<|im_middle|><think> is the prompt, </think>... is trained
+        # the last turn: <|im_assistant|>assistant<|im_middle|><think> is the prompt; its reasoning (the agentic
+        # record's final answer has some), </think> and the answer are trained
         header = len(ids) - 1 - ids[::-1].index(KIMI_IDS["<|im_assistant|>"])
         opened = ids.index(KIMI_IDS["<think>"], header)
-        assert ids[opened - 1] == KIMI_IDS["<|im_middle|>"] and ids[opened + 1] == KIMI_IDS["</think>"]
+        reasoning_tokens = ids.index(KIMI_IDS["</think>"], opened) - opened - 1
+        assert ids[opened - 1] == KIMI_IDS["<|im_middle|>"]
+        assert (reasoning_tokens > 0) == (row is rows["tiktoken"][-1])
         assert mask[opened] == 0 and all(mask[opened + 1:])
     agentic = rows["tiktoken"][-1]["input_ids"]
     assert agentic.count(KIMI_IDS["<|tool_calls_section_begin|>"]) == 1

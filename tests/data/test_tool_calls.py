@@ -89,8 +89,8 @@ def test_kimi_agentic_mask_is_exactly_what_the_assistant_generated(kimi, record)
     assert spans == [
         f"{step_reasoning[0]}{opener}{kimi_call('functions.get_weather:0')}<|im_end|>",
         f"{step_reasoning[1]}{opener}{step_content}{kimi_call('functions.get_time:1')}<|im_end|>",
-        f"{opener}{FINAL}<|im_end|>",  # a finished answer as the template records it: its reasoning dropped
-    ]
+        f"{'Both are known.' if recorded_reasoning else ''}{opener}{FINAL}<|im_end|>",  # the final answer as served:
+    ]  # its reasoning too, which the template drops from a finished answer
     # the whole sequence is what the target was served for the final answer (the steps' reasoning kept),
     # then that answer; the tools, the user and the tool results are in it, untrained
     prompt = kimi.render(conversation.messages[:-1], generation_prompt=True, tools=conversation.tools)
@@ -107,7 +107,7 @@ def test_kimi_agentic_loss_tokens_split_by_kind(kimi):
     tokens = kimi.tokenizer
     count = lambda text: len(tokens(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     thinking = kimi.template_kwargs["thinking"]
-    reasoning = "First the weather.</think>Then the time.</think></think>" if thinking else ""
+    reasoning = "First the weather.</think>Then the time.</think>Both are known.</think>" if thinking else ""
     calls = kimi_call("functions.get_weather:0") + kimi_call("functions.get_time:1") + "<|im_end|>" * 2
     assert row["loss_tokens_by_kind"] == {
         "reasoning": count(reasoning), "answer": count(f"Now the time.{FINAL}<|im_end|>"), "tool_call": count(calls)
