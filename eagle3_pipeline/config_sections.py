@@ -212,6 +212,12 @@ class DataConfig(Section):
     regenerate: RegenerateConfig = Field(RegenerateConfig(), description="the target rewrites the answers")
     max_seq_len: int = Field(2048, ge=16, description="tokens per sample; longer ones are handled per `overlong`")
     overlong: Literal["truncate", "drop"] = Field("truncate", description="what happens to samples over max_seq_len")
+    each_assistant_turn: bool = Field(
+        False, description="true = a training conversation becomes one sample per assistant turn (through that turn, "
+        "only it trained), each laid out as the target served it, with its own reasoning; false = one sample per "
+        "conversation: its last answer as served, earlier ones as the template renders history (Kimi-K2.5's drops "
+        "their reasoning). Untested for quality; 01 reports tokens and bytes per sample for both",
+    )
     seed: int = Field(0, description="which conversations eval_fraction holds out; per-request sampling seeds")
 
 

@@ -28,7 +28,7 @@ from eagle3_pipeline.data.vision import Vision
 
 
 def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig, with_prompt: bool,
-           vision: Vision | None = None) -> dict[str, Any]:
+           vision: Vision | None = None, last_turn_only: bool | None = None) -> dict[str, Any]:
     """One row (`truncated` tells whether `data.max_seq_len` cut it, `loss_tokens_by_kind` counts its trained
     tokens per kind for the report, `image_tokens` its image tokens); raises InvalidConversation. A conversation
     with images needs the target's `vision`.
@@ -37,7 +37,9 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     last assistant turn, which stage 06 replays; only that turn is in the loss mask (`served_turns` gives an
     earlier turn a row of its own). An eval conversation without an answer (a benchmark's prompt, kept as it
     is when regeneration is off) becomes its prompt alone, with no loss tokens: 06 serves it, 04 learns
-    nothing from it. An eval row whose prompt does not fit is skipped."""
+    nothing from it. An eval row whose prompt does not fit is skipped. `last_turn_only` (default: `with_prompt`)
+    trains the last assistant turn alone (`data.each_assistant_turn` rows)."""
+    last_turn_only = with_prompt if last_turn_only is None else last_turn_only
     prompt_only = with_prompt and conversation.prompt_only
     if prompt_only:
         messages = through_first_user_turn(conversation.messages)
@@ -53,7 +55,7 @@ def to_row(conversation: Conversation, template: ChatTemplate, data: DataConfig,
     if images:
         (input_ids, loss_mask, kinds), prompt_len, images = _expand_images(
             vision, images, (input_ids, loss_mask, kinds), prompt_len, data.max_seq_len)
-    if with_prompt:  # the served turn alone: earlier answers are context
+    if last_turn_only:  # the served turn alone: earlier answers are context
         loss_mask[:prompt_len], kinds[:prompt_len] = [0] * prompt_len, [None] * prompt_len
     truncated = len(input_ids) > data.max_seq_len
     if truncated and data.overlong == "drop":
@@ -104,11 +106,14 @@ def _expand_images(vision: Vision, images: list[bytes], columns: tuple[list, ...
 
 def to_rows(conversations: list[Conversation], template: ChatTemplate, data: DataConfig, with_prompt: bool,
             skips: Skips, split: str, vision: Vision | None = None) -> list[dict[str, Any]]:
+    """The rows of `conversations`: eval ones (`with_prompt`) one per served turn; training ones one per
+    conversation, or one per assistant turn with `data.each_assistant_turn`."""
+    per_turn = with_prompt or data.each_assistant_turn
     rows = []
     for conversation in tqdm(conversations, desc=f"tokenize {split}", unit="conv"):
-        for turn in served_turns(conversation) if with_prompt else [conversation]:
+        for turn in served_turns(conversation) if per_turn else [conversation]:
             try:
-                rows.append(to_row(turn, template, data, with_prompt, vision))
+                rows.append(to_row(turn, template, data, with_prompt, vision, last_turn_only=per_turn))
             except InvalidConversation as err:
                 skips.add(err.reason, turn.id)
     return rows

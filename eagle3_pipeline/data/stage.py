@@ -23,7 +23,13 @@ from eagle3_pipeline.data.dataset import STATS, TOKEN_FREQ
 from eagle3_pipeline.data.generate import generate_turns
 from eagle3_pipeline.data.samples import to_rows
 from eagle3_pipeline.data.sources import load_conversations, source_labels
-from eagle3_pipeline.data.stats import generation_stats, loss_kinds_summary, split_stats, token_frequencies
+from eagle3_pipeline.data.stats import (
+    generation_stats,
+    loss_kinds_summary,
+    reasoning_report,
+    split_stats,
+    token_frequencies,
+)
 from eagle3_pipeline.data.vision import Vision, read_image
 from eagle3_pipeline.stage_io import Stage, StageError, write_json_atomic
 from eagle3_pipeline.target import image_token_id, target_path, text_config
@@ -78,10 +84,13 @@ def run(config: RunConfig, force: bool = False) -> None:
         "skipped": skips.as_dict(),
         "generation": generation_stats(conversations) | figures.as_dict(),
     }
+    stats["reasoning"] = reasoning_report(template.opens_reasoning, train, stats["train"])
     print(f"01_data: train {len(train_rows)} samples, {stats['train']['tokens']} tokens "
-          f"(loss-token fraction {stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; "
-          f"skipped {sum(skips.counts.values())}")
+          f"({stats['train']['tokens_per_sample']} a sample, loss-token fraction "
+          f"{stats['train']['loss_token_fraction']}); eval {len(eval_rows)} samples; skipped {sum(skips.counts.values())}")
     print(f"01_data: train loss tokens by kind: {loss_kinds_summary(stats['train'])}")
+    if stats["reasoning"]["warning"]:
+        print(f"WARNING: {stats['reasoning']['warning']}")
     write_prepared(stage, train_rows, eval_rows, text_config(model_dir)["vocab_size"], stats)
 
 
@@ -90,8 +99,10 @@ def write_prepared(stage: Stage, train_rows: list[dict[str, Any]], eval_rows: li
     """01's files from its tokenized rows (`samples.to_row`'s form), then its manifest: the one writer of a
     finished 01_data (stand_ins/fabricated_stages.py's come through here too)."""
     with stage.timed("write"):
-        _save_split(stage, "train", train_rows)
-        _save_split(stage, "eval", eval_rows)
+        for split, rows in (("train", train_rows), ("eval", eval_rows)):
+            _save_split(stage, split, rows)
+            on_disk = sum(path.stat().st_size for path in stage.path(split).rglob("*") if path.is_file())
+            stats[split]["bytes_per_sample"] = round(on_disk / len(rows)) if rows else 0
         _save_token_freq(stage, train_rows, vocab_size)
         write_json_atomic(stage.path(STATS), stats)
     stage.finish(counts={

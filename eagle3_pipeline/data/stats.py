@@ -23,6 +23,7 @@ def split_stats(rows: list[dict[str, Any]], max_seq_len: int) -> dict[str, Any]:
         "tokens": tokens,
         "loss_tokens": loss_tokens,
         "loss_token_fraction": round(loss_tokens / tokens, 4) if tokens else 0.0,
+        "tokens_per_sample": round(tokens / len(rows), 1) if rows else 0.0,
         "loss_tokens_by_kind": {kind: sum(row["loss_tokens_by_kind"][kind] for row in rows) for kind in KINDS},
         "image_tokens": sum(row["image_tokens"] for row in rows),  # in the inputs, never trained
         "truncated": sum(row["truncated"] for row in rows),
@@ -82,6 +83,31 @@ class GenerationFigures:
             line += (f"; draft: mean acceptance length {self.acceptance.mean_acceptance_length:.3f} over "
                      f"{self.acceptance.drafts} drafts (k={self.acceptance.k}), per position {rates}")
         return line
+
+
+REASONING_FAR_BELOW = 0.5  # a trained reasoning share under half the source data's is reported as a warning
+
+
+def reasoning_report(template_thinks: bool, conversations: list[Conversation], train: dict[str, Any]) -> dict[str, Any]:
+    """The reasoning share of what 01 trains (loss tokens) against that of the training conversations it read or
+    generated (characters of their answers' reasoning over reasoning and content), and a warning when a thinking
+    template's draft would learn little or no reasoning."""
+    answers = [m for c in conversations for m in c.messages if m["role"] == "assistant"]
+    reasoning = sum(len(m.get("reasoning_content", "")) for m in answers)
+    written = reasoning + sum(len(m["content"]) for m in answers if isinstance(m["content"], str))
+    source_share = reasoning / written if written else 0.0
+    trained_share = train["loss_tokens_by_kind"]["reasoning"] / train["loss_tokens"] if train["loss_tokens"] else 0.0
+    warning = None
+    if template_thinks and source_share == 0:
+        warning = ("the target's template thinks (its generation prompt opens <think>) but the training answers hold "
+                   "no reasoning: the draft will not learn the reasoning the target writes first; regenerate the "
+                   "answers (data.regenerate.enabled) or bring data with reasoning")
+    elif template_thinks and trained_share < REASONING_FAR_BELOW * source_share:
+        warning = (f"the training answers are {source_share:.0%} reasoning but only {trained_share:.0%} of the trained "
+                   "tokens are: the template drops the reasoning of earlier turns; data.each_assistant_turn trains "
+                   "each turn as served, its reasoning included")
+    return {"template_thinks": template_thinks, "source_share_characters": round(source_share, 4),
+            "trained_share_tokens": round(trained_share, 4), "warning": warning}
 
 
 def loss_kinds_summary(split: dict[str, Any]) -> str:
