@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,27 @@ def tiny_kimi_dir() -> Path:
     from eagle3_pipeline.stand_ins import ensure_stand_in
 
     return ensure_stand_in("tiny-kimi-k25")
+
+
+REAL_KIMI_FILES = ROOT.parent / "shared" / "kimi_k25"  # the real K2.5 tokenizer files, never committed here
+
+
+@pytest.fixture(scope="session")
+def real_kimi_tokenizer_dir(tmp_path_factory) -> Path:
+    """A tokenizer folder of Kimi-K2.5's real files (ranks, tokenizer_config.json, chat template, from
+    ../shared/kimi_k25) read by the project's own tokenizer class; missing files fail under CI, else skip."""
+    import shutil
+
+    from eagle3_pipeline.stand_ins.tiny_kimi_tokenizer import ASSETS
+
+    if not REAL_KIMI_FILES.is_dir():
+        message = f"{REAL_KIMI_FILES} is missing: the real Kimi-K2.5 tokenizer files are read from there"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    folder = tmp_path_factory.mktemp("real_kimi_tokenizer")
+    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(REAL_KIMI_FILES / name, folder / name)
+    shutil.copy(ASSETS / "tokenization_kimi.py", folder / "tokenization_kimi.py")
+    return folder
 
 
 def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str, list[list[dict]]]) -> None:
