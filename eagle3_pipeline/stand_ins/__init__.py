@@ -30,9 +30,9 @@ from eagle3_pipeline.stage_io import atomic_path
 # the options)
 BUILDERS = {
     "smollm2-135m-instruct": ("eagle3_pipeline.stand_ins.smollm2", 1, {}),
-    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 4, {"tokenizer": "fast"}),
-    "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 3, {"tokenizer": "tiktoken"}),
-    "tiny-kimi-k25-learned": ("eagle3_pipeline.stand_ins.learned_kimi", 1, {"tokenizer": "fast"}),
+    "tiny-kimi-k25": ("eagle3_pipeline.stand_ins.tiny_kimi", 5, {"tokenizer": "fast"}),
+    "tiny-kimi-k25-tiktoken": ("eagle3_pipeline.stand_ins.tiny_kimi", 4, {"tokenizer": "tiktoken"}),
+    "tiny-kimi-k25-learned": ("eagle3_pipeline.stand_ins.learned_kimi", 2, {"tokenizer": "fast"}),
 }
 GPU_ONLY = ("tiny-kimi-k25-learned",)  # trains for minutes on a GPU, hours on a CPU: not among the default builds
 

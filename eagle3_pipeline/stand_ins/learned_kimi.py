@@ -14,6 +14,7 @@ tiny-kimi-k25-learned` on a GPU node: a few minutes on one H200); on a CPU it re
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import math
@@ -119,7 +120,8 @@ def text_model(model_dir: pathlib.Path, device: str):
     (through a folder of its own: transformers fuses the per-expert tensors as it loads them)."""
     import transformers
 
-    config = {k: v for k, v in tiny_kimi.TEXT_CONFIG.items() if k not in ("model_type", "architectures")}
+    # a deep copy: transformers' config rewrites the rope_scaling dict it is given in place
+    config = {k: copy.deepcopy(v) for k, v in tiny_kimi.TEXT_CONFIG.items() if k not in ("model_type", "architectures")}
     weights = {}
     for shard in tiny_kimi.SHARD_NAMES:
         weights |= {name.removeprefix(TEXT_PREFIX): tensor for name, tensor in load_file(str(model_dir / shard)).items()

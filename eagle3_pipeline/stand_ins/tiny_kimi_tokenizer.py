@@ -48,9 +48,13 @@ SPECIAL_TOKENS = {
     163838: "[UNK]",
     163839: "[PAD]",
 }
-# Kimi marks the tool-call markers non-special, so decoding with skip_special_tokens keeps them
-# for the tool parser.
-NON_SPECIAL_IDS = frozenset(range(163595, 163600))
+# Kimi-K2.5 marks the tool-call and reasoning markers non-special, so decoding with skip_special_tokens keeps
+# them for the tool and reasoning parsers.
+NON_SPECIAL_IDS = frozenset([*range(163595, 163600), 163606, 163607])
+# what Kimi-K2.5's tokenizer_config.json lists as additional special tokens: the chat format and the media tokens
+ADDITIONAL_SPECIAL_TOKENS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                             "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>", "<|media_begin|>",
+                             "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
 
 
 def write_tokenizer(out_dir: pathlib.Path, form: str, model_max_length: int) -> None:
@@ -154,6 +158,7 @@ def _write_tiktoken_tokenizer(out_dir: pathlib.Path, vocab: dict[str, int], mode
         "added_tokens_decoder": added,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "tokenizer_class": "TikTokenTokenizer",
+        "additional_special_tokens": ADDITIONAL_SPECIAL_TOKENS,
         "model_max_length": model_max_length,
         **NAMED_SPECIALS,
     }

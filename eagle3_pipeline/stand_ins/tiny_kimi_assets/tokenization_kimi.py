@@ -11,12 +11,16 @@ Kimi-K2 / K2.5, which transformers and vLLM load through `auto_map` in tokenizer
   transformers path (added tokens split first). `decode` likewise.
 - Token strings are GPT-2 style byte-level text (each byte one printable character). Decoding with
   `skip_special_tokens` drops only the chat-format tokens (`CHAT_FORMAT_SPECIALS`).
-- `apply_chat_template` defaults to `tokenize=False, add_generation_prompt=True` and sorts the keys of the
-  tool declarations, as Kimi's does; the template is the folder's chat_template.jinja.
+- `apply_chat_template` defaults to `tokenize=False, add_generation_prompt=True`, sorts the keys of the tool
+  declarations and hands the template `tools_ts_str`: the tools declared in TypeScript style, as Kimi-K2.5's
+  does (`# Tools`, `## functions`, `namespace functions { ... }`: a commented `type NAME = (_: {...}) => any;` per
+  function, optional properties marked `?`, enums as unions of their JSON values); the template is the folder's
+  chat_template.jinja.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -104,7 +108,10 @@ class TikTokenTokenizer(PreTrainedTokenizer):
 
     def apply_chat_template(self, conversation, tools: list[dict] | None = None, tokenize: bool = False,
                             add_generation_prompt: bool = True, **kwargs: Any):
-        return super().apply_chat_template(conversation, tools=deep_sort(tools), tokenize=tokenize,
+        tools = deep_sort(tools)
+        if tools:
+            kwargs.setdefault("tools_ts_str", tools_typescript(tools))
+        return super().apply_chat_template(conversation, tools=tools, tokenize=tokenize,
                                            add_generation_prompt=add_generation_prompt, **kwargs)
 
     # ------------------------------------------------------------------ what PreTrainedTokenizer needs
@@ -132,6 +139,42 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         if os.path.abspath(target) != os.path.abspath(self.vocab_file):
             shutil.copyfile(self.vocab_file, target)
         return (target,)
+
+
+JSON_TO_TS = {"string": "string", "number": "number", "integer": "number", "boolean": "boolean", "null": "null"}
+
+
+def tools_typescript(tools: list[dict]) -> str:
+    """OpenAI function declarations as Kimi-K2.5 declares tools to the model, in TypeScript style."""
+    functions = [tool.get("function", tool) for tool in tools]
+    return "# Tools\n\n## functions\nnamespace functions {\n" + "".join(map(_ts_function, functions)) + "}\n"
+
+
+def _ts_function(function: dict) -> str:
+    comment = f"// {function['description']}\n" if function.get("description") else ""
+    parameters = function.get("parameters") or {}
+    arguments = f"_: {_ts_type(parameters, 0)}" if parameters.get("properties") else ""
+    return f"{comment}type {function['name']} = ({arguments}) => any;\n"
+
+
+def _ts_type(schema: dict, depth: int) -> str:
+    """A JSON schema as a TypeScript type; an object's properties one a line, each after its description."""
+    if "enum" in schema:
+        return " | ".join(json.dumps(value) for value in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        return f"{_ts_type(schema.get('items') or {}, depth)}[]"
+    if kind == "object" or "properties" in schema:
+        indent, required = "  " * (depth + 1), set(schema.get("required") or [])
+        lines = []
+        for name, value in (schema.get("properties") or {}).items():
+            comment = f"{indent}// {value['description']}\n" if value.get("description") else ""
+            optional = "" if name in required else "?"
+            lines.append(f"{comment}{indent}{name}{optional}: {_ts_type(value, depth + 1)}")
+        return "{\n" + ",\n".join(lines) + "\n" + "  " * depth + "}"
+    if isinstance(kind, list):
+        return " | ".join(JSON_TO_TS.get(k, "any") for k in kind)
+    return JSON_TO_TS.get(kind, "any")
 
 
 def _runs_at_most(text: str, limit: int) -> Iterator[str]:
