@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -155,9 +156,10 @@ def test_printed_serving_command_serves_the_draft(validated_demo, fmt, tmp_path)
     export_dir = config.run_dir / "05_export" / fmt
     card_command = (export_dir / "README.md").read_text().split("## Serving\n```\n")[1].split("\n```")[0]
     command = card_command
-    if export_dir == Path(report["export"]):  # the format 06 served: its report and the card print one command
-        command = report["serving_command"]
-        assert command == card_command
+    if export_dir == Path(report["export"]):  # the format 06 served: its report and the card print one command,
+        command = report["serving_command"]  # with the memory share 06 ran with (RUNTIME_CHANGES) in 06's
+        assert command == re.sub(r"--gpu-memory-utilization \S+", "--gpu-memory-utilization 0.8", card_command)
+        assert "--gpu-memory-utilization 0.8" in command
     assert str(export_dir) in command
     with openai_server(command, tmp_path / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
