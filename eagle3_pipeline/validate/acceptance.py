@@ -95,6 +95,14 @@ class Divergence:
     # difference); a token outside the top MAX_LOGPROBS counts at the lowest of them (margin_exact false)
     margin: float
     margin_exact: bool
+    # where the target alone, one request at a time and without the draft, first departs from its batched output
+    # on this prompt (None: it writes the same); at `position` the target flips this token under another batch
+    # shape by itself, so the draft did not change it
+    alone_departs_at: int | None = None
+
+    @property
+    def batch_variant(self) -> bool:
+        return self.alone_departs_at == self.position
 
 
 @dataclass
@@ -163,7 +171,7 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         if config.validate_.latency_prompts:
             run.single = one_at_a_time(llm, vision, prompts[:config.validate_.latency_prompts], params, k)
         for other in compare_with:
-            other.divergences = probe_divergences(llm, vision, prompts, run.outputs, other.outputs)
+            other.divergences = probe_divergences(llm, vision, prompts, run.outputs, other.outputs, params)
         return run
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -199,9 +207,10 @@ def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params,
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],
-                      drafted: list[list[int]]) -> list[Divergence]:
-    """Each prompt whose drafted output differs from the plain one: the first differing position and the
-    target's log-probability margin between the two tokens there, on the common prefix."""
+                      drafted: list[list[int]], params) -> list[Divergence]:
+    """Each prompt whose drafted output differs from the plain one: the first differing position, the target's
+    log-probability margin between the two tokens there on the common prefix, and where the target alone (the
+    prompt by itself, greedy `params`) departs from its batched output."""
     from vllm import SamplingParams
 
     found = []
@@ -211,17 +220,27 @@ def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], pla
             found.append((index, position, a[position], b[position]))
     if not found:
         return []
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=MAX_LOGPROBS)
+    probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=MAX_LOGPROBS)
     requests = [request(prompts[i].token_ids + plain[i][:position], prompts[i].images, vision)
                 for i, position, _, _ in found]
     divergences = []
-    for (index, position, without, with_draft), result in zip(found, llm.generate(requests, params, use_tqdm=False)):
+    for (index, position, without, with_draft), result in zip(found, llm.generate(requests, probe, use_tqdm=False)):
         logprobs = {token: lp.logprob for token, lp in result.outputs[0].logprobs[0].items()}
         floor = min(logprobs.values())  # a token outside the top ones has at most this
         margin = logprobs.get(without, floor) - logprobs.get(with_draft, floor)
+        alone = llm.generate([request(prompts[index].token_ids, prompts[index].images, vision)], params,
+                             use_tqdm=False)[0].outputs[0].token_ids
         divergences.append(Divergence(index, prompts[index].source, position, without, with_draft, margin,
-                                      margin_exact=without in logprobs and with_draft in logprobs))
+                                      margin_exact=without in logprobs and with_draft in logprobs,
+                                      alone_departs_at=first_difference(plain[index], list(alone))))
     return divergences
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (one ending before the other counts); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def record_weights(run: EngineRun, reports: list[dict], required: list[str]) -> None:

@@ -155,8 +155,8 @@ def dynamic_problems(runs: list[EngineRun], step0: float | None, validate: Valid
                             f"< {ratio} x eval step-0 accuracy {step0:.3f} (check aux layer ids and their convention, "
                             "norm_before_residual, rope, d2t)")
         for d in run.divergences:
-            if d.margin_exact and abs(d.margin) <= validate.max_tie_margin:
-                continue  # a bf16 near-tie: reported, not a failure
+            if d.margin_exact and abs(d.margin) <= validate.max_tie_margin or d.batch_variant:
+                continue  # a bf16 near-tie, or the target flips it alone under another batch shape: reported
             margin = (f"{d.margin:.3f} > validate.max_tie_margin {validate.max_tie_margin}" if d.margin_exact else
                       f"at least {d.margin:.3f} (a token outside its top {MAX_LOGPROBS})")
             problems.append(f"{tag}: the greedy output of eval prompt {d.prompt} ({d.source}) differs from the one "

@@ -66,3 +66,33 @@ def test_a_changed_greedy_output_fails_unless_the_target_was_near_a_tie():
         "k=3: the greedy output of eval prompt 4 (humaneval) differs from the one without the draft at token 0 (12 "
         "instead of 11) where the target's logit margin is at least 0.100 (a token outside its top 20): the draft "
         "changed what the target writes"]
+
+
+def test_a_token_the_target_flips_alone_under_another_batch_shape_is_not_the_drafts():
+    run = served(100, [40, 20, 10])
+    departs_there = Divergence(3, "gsm8k", 7, 11, 12, margin=2.0, margin_exact=True, alone_departs_at=7)
+    departs_earlier = Divergence(4, "gsm8k", 9, 11, 12, margin=2.0, margin_exact=True, alone_departs_at=5)
+    run.divergences = [departs_there, departs_earlier]
+    problems = dynamic_problems([run], step0=0.45, validate=VALIDATE)
+    assert [p.split(" (")[0] for p in problems] == ["k=3: the greedy output of eval prompt 4"]
+
+
+def test_first_difference():
+    from eagle3_pipeline.validate.acceptance import first_difference
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_the_divergence_table_gives_each_verdict():
+    from eagle3_pipeline.validate.report import divergence_table
+    rows = [dict(prompt=1, source="gsm8k", position=4, without_draft=11, with_draft=12, margin=0.25, margin_exact=True,
+                 alone_departs_at=None),
+            dict(prompt=2, source="gsm8k", position=7, without_draft=11, with_draft=12, margin=2.0, margin_exact=True,
+                 alone_departs_at=7),
+            dict(prompt=3, source="gsm8k", position=9, without_draft=11, with_draft=12, margin=2.0, margin_exact=True,
+                 alone_departs_at=5)]
+    table = divergence_table({"max_tie_margin": 0.5, "runs": [{"num_speculative_tokens": 3, "divergences": rows}]})
+    verdicts = [line.split(" | ")[-2:] for line in table.splitlines()[2:]]
+    assert verdicts == [["-", "bf16 near-tie |"], ["7", "the target's own batch variance |"],
+                        ["5", "changed by the draft |"]]
