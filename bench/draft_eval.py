@@ -1,11 +1,11 @@
 """One teacher-forced evaluator for any speculators-format EAGLE-3 draft folder, on our eval split.
 
-Both trainers' drafts are loaded the same way (speculators' `Eagle3DraftModel.from_pretrained` on a
+Both trainers' drafts are loaded the same way (`Eagle3Draft.from_pretrained`, speculators' loader, on a
 speculators-format folder: ours from 05_export/speculators/, theirs from its checkpoint) and run the same
-training-time-test unroll on the same packed eval rows (our 01 eval split + 02 states, packed as 04 packs
-them), in float32, honouring each draft's own config flags (`norm_before_fc`, `fc_norm`, `norm_output`,
-`norm_before_residual` inside the decoder layer). Document-aware masks (eagle3_pipeline/train/attention.py)
-and targets: the verifier's top-1 over the draft vocabulary at the row the step predicts, counted where that
+training-time-test unroll, 04's own (`Eagle3Draft.forward`), on the same packed eval rows (our 01 eval split +
+02 states, packed as 04 packs them), in float32, honouring each draft's own config flags (`norm_before_fc`,
+`fc_norm`, `norm_output`, `norm_before_residual` inside the decoder layer). Document-aware masks
+(eagle3_pipeline/train/attention.py) and targets: the verifier's top-1 over the draft vocabulary at the row the step predicts, counted where that
 row is in the same document and loss-masked (eagle3_pipeline/train/draft_model.py, `VerifierTargets`).
 
 Per TTT step k it reports
@@ -26,27 +26,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.data.dataset import open_split
 from eagle3_pipeline.pack_plan import plan_packs, training_rows
 from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
-from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.data import PackedRows
-from eagle3_pipeline.train.draft_model import VerifierTargets
+from eagle3_pipeline.train.draft_model import STATS, Eagle3Draft, VerifierTargets
 from eagle3_pipeline.train.inputs import served_samples
 
 
 def load_draft(folder: Path, weight_prefix: str = ""):
-    from speculators.models.eagle3 import Eagle3DraftModel
-
     from eagle3_pipeline.train.verifier import load_verifier_weights
 
-    config = Eagle3DraftModel.config_class.from_pretrained(str(folder))
+    config = Eagle3Draft.config_class.from_pretrained(str(folder))
     config.transformer_layer_config._attn_implementation = "sdpa"  # not serialised; our dense masks
-    model = Eagle3DraftModel.from_pretrained(str(folder), config=config)
+    model = Eagle3Draft.from_pretrained(str(folder), config=config)
     # Both trainers freeze the draft's token embedding at the verifier's. A folder without embed_tokens (our
     # export: vLLM shares the target's) comes out of speculators 0.9.0's from_pretrained with a randomly
     # initialised embedding under transformers 5 (its NaN "not loaded" sentinel is overwritten by the init of
@@ -81,47 +76,23 @@ class EvalRows:
 
 
 @torch.no_grad()
-def unroll(model, batch: dict, ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unroll(model: Eagle3Draft, batch: dict, ttt_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[4, ttt_steps] sums over the batch (kl_sum, correct, chain_correct, count) and the draft's top-1 per
-    step and row [B, ttt_steps, L] (draft vocab ids, -1 past the rows a step has)."""
-    cfg = model.config
+    step and row [B, ttt_steps, L] (draft vocab ids, -1 past the rows a step has): the model's own training
+    unroll (Eagle3Draft.forward), so every layout is evaluated as it trains, plus the chain agreement."""
     document_ids, loss_mask = batch["document_ids"], batch["loss_mask"]
-    masks = ttt_masks(document_ids, ttt_steps, "sdpa")
-    target = VerifierTargets(model.verifier_lm_head(model.verifier_norm(batch["final"])))
-    hidden = batch["aux"]
-    if model.input_norm is not None:
-        hidden = model.input_norm(hidden)
-    if model.fc_norm is not None:
-        chunks = hidden.chunk(len(model.fc_norm), dim=-1)
-        hidden = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks)], dim=-1)
-    hidden = model.fc(hidden)
-    cache = DynamicCache()
-    tokens = batch["input_ids"]
-    length = tokens.shape[1]
+    _, stats, top1 = model(batch["aux"], batch["final"], batch["input_ids"], batch["position_ids"], document_ids,
+                           loss_mask, ttt_steps, [1.0] * ttt_steps)
+    verifier_top1 = model.verifier_lm_head(model.verifier_norm(batch["final"])).argmax(-1)
     chain = torch.ones_like(loss_mask, dtype=torch.bool)  # row t: steps 0..k-1 all correct
-    out = torch.zeros(4, ttt_steps, device=loss_mask.device)
-    top1 = []
+    chain_correct = []
     for step in range(ttt_steps):
-        hidden = torch.cat([model.embed_tokens(tokens).to(hidden.dtype), hidden], dim=-1)
-        positions = batch["position_ids"] + step
-        rope = model.rotary_emb(hidden, positions)
-        for layer in model.layers:
-            hidden = layer(hidden, attention_mask=masks[step], position_ids=positions, past_key_values=cache,
-                           position_embeddings=rope)
-        if cfg.norm_output:
-            hidden = model.norm(hidden)
-            logits = model.lm_head(hidden)
-        else:
-            logits = model.lm_head(model.norm(hidden))
-        _, stats, _ = target.distill(logits, loss_mask, document_ids, step)  # kl_sum, correct, count
-        rows = length - step
-        counted = loss_mask[:, step:] & (document_ids[:, step:] == document_ids[:, :rows])
-        top1.append(F.pad(logits[:, :rows].argmax(-1), (0, step), value=-1))
-        correct = top1[-1][:, :rows] == target.top1[:, step:]
-        chain = chain[:, :rows] & correct
-        out[:, step] = torch.stack([stats[0], stats[1], (chain & counted).sum().float(), stats[2]])
-        tokens = F.pad(tokens[:, 1:], (0, 1))
-    return out, torch.stack(top1, dim=1)
+        counted = VerifierTargets.counted(loss_mask, document_ids, step)
+        rows = counted.shape[1]
+        chain = chain[:, :rows] & (top1[:, step, :rows] == verifier_top1[:, step:])
+        chain_correct.append((chain & counted).sum().float())
+    kl_sum, correct, count = (stats[STATS.index(name)] for name in ("kl_sum", "correct", "count"))
+    return torch.stack([kl_sum, correct, torch.stack(chain_correct), count]), top1
 
 
 def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = (), max_tokens: int = 0,
