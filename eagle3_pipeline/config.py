@@ -15,7 +15,6 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from eagle3_pipeline import config_reads
 from eagle3_pipeline.config_sections import (
     CaptureConfig,
     DataConfig,
@@ -142,6 +141,4 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
     if isinstance(tree, dict):
         apply_overrides(tree, list(overrides))
-    config = parse_config(tree, str(path))
-    config_reads.record_if_requested(config)
-    return config
+    return parse_config(tree, str(path))

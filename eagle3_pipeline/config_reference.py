@@ -18,7 +18,7 @@ from pydantic_core import PydanticUndefined
 
 from eagle3_pipeline.config import RunConfig, is_runtime_knob
 from eagle3_pipeline.config_sections import nested_models
-from eagle3_pipeline.stage_io import stages_made_stale_by
+from eagle3_pipeline.stage_io import STAGES, stages_made_stale_by
 
 HEADER = """# Config reference
 
@@ -101,3 +101,14 @@ def reference() -> str:
             lines.append(f"| `{key}` | {type_name(field.annotation)} | {default_text(field)} | {kind} | {description} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def stage_table() -> str:
+    """The README's table of the stages, from stage_io.STAGES: each script, the earlier stages' folders it reads,
+    the config entries whose output knobs its output depends on, and what it writes."""
+    rows = ["| script | reads | depends on (config) | writes |", "|---|---|---|---|"]
+    for spec in STAGES.values():
+        reads = ", ".join(f"`{name}/`" for name in spec.inputs) or "the data sources and the target"
+        sections = ", ".join(f"`{entry}`" for entry in spec.sections)
+        rows.append(f"| `{spec.script}` | {reads} | {sections} | `{spec.name}/`: {spec.writes} |")
+    return "\n".join(rows)

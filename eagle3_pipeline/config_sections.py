@@ -1,7 +1,6 @@
 """Every stage: the run config's sections, one class per YAML section (config.py's RunConfig holds them).
 
-Each is a `Section`: frozen, unknown keys are errors, and its reads are recorded when a stage's reads are
-(config_reads.py). A section's own checks raise ValueError, which `config.parse_config` reports as a
+Each is a `Section`: frozen, unknown keys are errors. A section's own checks raise ValueError, which `config.parse_config` reports as a
 ConfigError naming the key path.
 """
 
@@ -15,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from eagle3_pipeline import config_reads
 
 STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken", "tiny-kimi-k25-learned")
 # BFCL v4's single-turn categories, all with functions in Python syntax (the multi-turn, memory and web-search ones
@@ -59,11 +57,6 @@ def output_part(annotation: Any, value: Any) -> Any:
 class Section(BaseModel):
     # Unknown keys are errors: a misspelt knob must never be silently ignored.
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def __getattribute__(self, name: str) -> Any:
-        if config_reads.RECORDING:  # the reads of this run's config are recorded (config_reads.py)
-            config_reads.note(self, name)
-        return super().__getattribute__(name)
 
 
 # --------------------------------------------------------------------------------------------- target

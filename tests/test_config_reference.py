@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.config_reference import reference, section_models
+from eagle3_pipeline.config_reference import reference, section_models, stage_table
 from tests.conftest import ROOT
 
 
@@ -29,3 +29,8 @@ def test_the_command_prints_it():
     result = subprocess.run([sys.executable, "-m", "eagle3_pipeline", "config-reference"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == reference()
+
+
+def test_the_readme_stage_table_is_stage_ios():
+    assert stage_table() in (ROOT / "README.md").read_text(), (
+        "README.md's stage table is stale: paste eagle3_pipeline.config_reference.stage_table()")

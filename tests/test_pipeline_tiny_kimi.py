@@ -11,20 +11,18 @@ Three engine starts (01, 02, 06 with the draft): a few minutes on 2 cores.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from datasets import load_from_disk
 
-from eagle3_pipeline import config_reads
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.data.dataset import read_stats
 from eagle3_pipeline.stage_io import STAGES, read_manifest
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 from tests.conftest import CONFIGS, run_python
-from tests.no_speculators import without_speculators
 from tests.stage_reads import check_fingerprints_cover_reads
+from tests.subprocess_site import python_environment
 
 THINK = 163606  # Kimi's <think>: in thinking mode the generation prompt opens the reasoning
 MEDIA_PAD = 163605  # Kimi's image placeholder: vLLM makes one per 2x2 merged 14-pixel patches of an image
@@ -39,10 +37,10 @@ def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_p
     sources = f"data.sources=[{{kind: magpie, limit: 32, max_tokens: 8}}, {{kind: file, name: {write_image_chat(tmp_path)}}}]"
     overrides = [word for setting in [f"run_dir={run_dir}", sources, *SETTINGS] for word in ("--set", setting)]
     manifests, outputs = {}, {}
-    reads_dir = tmp_path / "config_reads"  # each script records the config keys it reads (config_reads.py)
+    reads_dir = tmp_path / "config_reads"  # each script records the config keys it reads (tests/read_recorder.py)
     for spec in STAGES.values():
-        environment = without_speculators(tmp_path / "site") if spec.name == "06_validate" else dict(os.environ)
-        environment[config_reads.ENVIRONMENT] = str(reads_dir)
+        environment = python_environment(tmp_path / spec.name, no_speculators=spec.name == "06_validate",
+                                         reads_dir=reads_dir)
         result = run_python(spec.script, "--config", str(CONFIGS / "tiny_kimi.yaml"), *overrides, timeout=900,
                             env=environment)
         assert result.returncode == 0, f"{spec.script}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

@@ -8,6 +8,7 @@ never reach.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,43 @@ def test_the_stages_command_lists_each_stage_with_script_module_inputs_and_outpu
     for spec, block in zip(ORDER, blocks):
         assert spec.script in block and spec.module in block and spec.writes in block
         assert all(name in block for name in spec.inputs)
+
+
+def project_modules() -> list[str]:
+    return sorted(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                  for path in (ROOT / "eagle3_pipeline").rglob("*.py"))
+
+
+def import_circles() -> list[list[str]]:
+    """Circles among the package's modules, through any import (function-level ones included)."""
+    modules = set(project_modules())
+    edges = {m: sorted(n for n in imported_names(module_file(m)) if n in modules and n != m) for m in modules}
+    circles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for name in edges[module]:
+            if state.get(name) == "open":
+                circles.append(path[path.index(name):] + [name])
+            elif name not in state:
+                visit(name, path + [name])
+        state[module] = "done"
+
+    for module in sorted(modules):
+        if module not in state:
+            visit(module, [module])
+    return circles
+
+
+def test_the_package_has_no_import_circle():
+    assert import_circles() == []
+
+
+def test_each_package_docstring_lists_its_modules():
+    missing = []
+    for init in (ROOT / "eagle3_pipeline").rglob("__init__.py"):
+        text = ast.get_docstring(ast.parse(init.read_text())) or ""
+        modules = [path.stem for path in init.parent.glob("*.py") if path.name != "__init__.py"]
+        modules += [path.name for path in init.parent.iterdir() if (path / "__init__.py").is_file()]
+        missing += [f"{init.parent.name}/{name}" for name in modules if not re.search(rf"\b{name}\b", text)]
+    assert missing == []

@@ -51,6 +51,8 @@ MESSAGE_EVERY_S = 60.0
 class StreamTimeout(StageError):
     """The other side made no progress for `capture.stream.wait_timeout_s`."""
 
+    leaves_checkpoint = True
+
 
 ITEM_HEADER_BYTES = 4096  # an item's safetensors header and metadata, at most (estimates only)
 

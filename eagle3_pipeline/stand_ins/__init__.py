@@ -13,8 +13,9 @@ Each is built once into the cache (`$EAGLE3_CACHE_DIR`, default `~/.cache/eagle3
 only when missing. Builds go to a temporary folder renamed into place, so a killed build leaves nothing
 that looks complete. `python -m eagle3_pipeline stand-ins [NAME ...]` builds them ahead of time.
 
-fabricated_stages.py writes finished stages (01_data, 02_hidden_states) from made-up samples and states,
-for the tests and the benches.
+Modules: smollm2, tiny_kimi (with tiny_kimi_tokenizer and its tiny_kimi_assets), learned_kimi build them;
+fabricated_stages writes finished stages (01_data, 02_hidden_states) from made-up samples and states, for the
+tests and the benches.
 """
 
 from __future__ import annotations

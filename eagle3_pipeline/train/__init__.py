@@ -10,4 +10,6 @@
     checkpoint   atomic checkpoints: model, optimizer, scheduler, RNG, data position
     metrics      loss/accuracy per TTT step: metrics.jsonl, TensorBoard, curves.png; the eval summary 05 reuses
     flops        the FLOP count of a step, peak FLOP/s of known GPUs, hence MFU
+    loss         the distillation loss of a TTT step (train.loss), and the head fused with it, chunked
+    acceptance   acceptance length without an engine: greedy chain drafting replayed on the target's answers
 """

@@ -1,7 +1,7 @@
 """Stage 04's inputs: 01's splits, 02's states (or, with capture.mode stream, 02's stream), 03's vocabulary.
 
 `read_inputs` opens them, checks that they fit together and the config, and plans the packs 04 trains and
-evaluates on (pack_plan.py); `wait_for_stream` holds 04 until 02 has opened its stream.
+evaluates on (pack_plan.py); `wait_for_states` holds 04 until 02 has opened its stream.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Inputs:
     layout: StatesLayout
     d2t: torch.Tensor
     t2d: torch.Tensor
-    consumer: Consumer | None  # capture.mode stream: 04's side of the stream
+    feed: Consumer | OfflineFeed  # where the train packs' states come from: 02's stream, or its finished shards
     eval_samples: list[dict]  # per eval row: source, seq_len, prompt_len (the served turn, acceptance.py)
     simulated_ks: list[int]  # validate.num_speculative_tokens, or [] when the eval answers are not greedy ones
 
@@ -59,7 +59,7 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
         raise ConfigError(f"draft.hidden_size {config.draft.hidden_size} differs from the target's "
                           f"{layout.hidden_size} (02_hidden_states): EAGLE-3 needs them equal")
     rows = {name: training_rows(np.asarray(split["seq_len"], dtype=np.int64)) for name, split in splits.items()}
-    consumer = stream_consumer(config, states_dir, layout)
+    consumer = stream_consumer(config, states_dir, layout)  # None offline
     # streaming, 02's shards hold the eval split only: the train split comes through the stream
     _check_fits({k: v for k, v in splits.items() if not consumer or k == "eval"}, rows, reader,
                 config.train.packed_length)
@@ -76,7 +76,7 @@ def read_inputs(stage: Stage, config: RunConfig) -> Inputs:
         eval_rows=PackedRows(splits["eval"], states_dir, **shape) if has_eval else None,
         train_stream=run_pack_stream(config, splits["train"]["seq_len"]),
         eval_packs=plan_packs(rows["eval"], config.train.packed_length, seed=[config.train.seed]) if has_eval else [],
-        layout=layout, d2t=d2t, t2d=t2d, consumer=consumer, eval_samples=eval_samples,
+        layout=layout, d2t=d2t, t2d=t2d, feed=consumer or OfflineFeed(), eval_samples=eval_samples,
         simulated_ks=config.validate_.num_speculative_tokens if eval_samples and greedy_answers(config) else [],
     )
 
@@ -95,8 +95,21 @@ def served_samples(split) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------- stream
-def wait_for_stream(config: RunConfig) -> None:
-    """Before the input checks: 02 opens its stream (stream.json) once its eval states are written."""
+class OfflineFeed:
+    """02's finished shards: the stream's progress reports (capture.stream.Consumer) have no one to go to."""
+
+    def advance(self, next_position: int, end: int, packs_per_step: int, step: int) -> None:
+        pass
+
+    def finish(self, end: int, packs_per_step: int, step: int) -> None:
+        pass
+
+
+def wait_for_states(config: RunConfig) -> None:
+    """Before the input checks, with capture.mode stream: 02 opens its stream (stream.json) once its eval states
+    are written. Offline, 02 is finished or the input checks say so."""
+    if config.capture.mode != "stream":
+        return
     states_dir = Path(config.run_dir) / "02_hidden_states"
     if read_proof(states_dir) is None and not shares_folder(config) and int(os.environ.get("LOCAL_RANK", 0)) == 0:
         fetch_folder(config, states_dir, "04_train")  # one process per node fetches; the others wait for it below

@@ -19,7 +19,6 @@ from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataPara
 from tqdm import tqdm
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
-from eagle3_pipeline.capture.stream import StreamTimeout
 from eagle3_pipeline.config import ConfigError, RunConfig
 from eagle3_pipeline.stage_io import Stage, StageError
 from eagle3_pipeline.target import target_path
@@ -35,7 +34,7 @@ from eagle3_pipeline.train.draft_model import (
     standardize_aux,
 )
 from eagle3_pipeline.train.flops import attended_keys, peak_flops, train_flops
-from eagle3_pipeline.train.inputs import Inputs, read_inputs, wait_for_stream
+from eagle3_pipeline.train.inputs import Inputs, read_inputs, wait_for_states
 from eagle3_pipeline.train.loss import LOSSES
 from eagle3_pipeline.train.metrics import MetricsLog, eval_summary, summarize, trained_loss_key
 from eagle3_pipeline.train.step import lr_schedule, make_optimizer, to_device, train_step
@@ -51,8 +50,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     if stage.is_complete():
         return
     packs_per_step = accelerator.num_processes * train.micro_batch_size * train.grad_accumulation
-    if config.capture.mode == "stream":
-        wait_for_stream(config)
+    wait_for_states(config)
     stage.check_inputs()
     inputs = read_inputs(stage, config)  # before begin(): a config it refuses leaves nothing to --force
     begin(stage, accelerator, resume, packs_per_step)
@@ -70,8 +68,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     train_batches = iter(train_loader(inputs, train, start_step, accelerator))
     describe(config, inputs, model, accelerator, packs_per_step, start_step)
     end = train.max_steps * packs_per_step
-    if inputs.consumer and accelerator.is_main_process:  # also rewinds the capture jobs after a resume
-        inputs.consumer.advance(start_step * packs_per_step, end, packs_per_step, start_step)
+    if accelerator.is_main_process:  # streaming, this also rewinds the capture jobs after a resume
+        inputs.feed.advance(start_step * packs_per_step, end, packs_per_step, start_step)
 
     log = MetricsLog(stage.dir, start_step, accelerator.is_main_process)
     meter = Throughput(config, inputs.num_aux, accelerator)
@@ -84,7 +82,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
         try:
             packs = meter.wait_for(lambda: [next(train_batches) for _ in range(train.grad_accumulation)])
         except StageError as err:
-            raise stopped_stream(err, stage, step - 1, start_step, model, optimizer, scheduler, accelerator,
+            raise stopped_by_data(err, stage, step - 1, start_step, model, optimizer, scheduler, accelerator,
                                  packs_per_step, train) from None
         meter.count(packs)  # on the host copies: no device synchronisation
         log.log_batch(step, batch_record(inputs, step, packs_per_step))
@@ -94,8 +92,8 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
         stats, grad_norm = train_step(model, optimizer, scheduler, micro_batches, accelerator,
                                       train.ttt_steps, step_weights, train.grad_clip)
         meter.add(stats)
-        if inputs.consumer and accelerator.is_main_process:  # every rank has its packs of this step in memory
-            inputs.consumer.advance(step * packs_per_step, end, packs_per_step, step)
+        if accelerator.is_main_process:  # every rank has its packs of this step in memory
+            inputs.feed.advance(step * packs_per_step, end, packs_per_step, step)
         progress.update()
         if step % train.log_every == 0 or step == train.max_steps:
             values = meter.report(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
@@ -119,8 +117,7 @@ def run(config: RunConfig, resume: bool = False, force: bool = False, stop_at_st
     log.plot(stage.path("curves.png"), train.ttt_steps)
     log.close()
     if accelerator.is_main_process:
-        if inputs.consumer:
-            inputs.consumer.finish(end, packs_per_step, train.max_steps)
+        inputs.feed.finish(end, packs_per_step, train.max_steps)
         stage.finish(counts=final_counts(eval_values, meter, train), extra={
             "final_checkpoint": f"checkpoints/step_{train.max_steps}",
             "aux_layer_ids": inputs.layout.aux_layer_ids,
@@ -244,13 +241,13 @@ def batch_record(inputs: Inputs, step: int, packs_per_step: int) -> list[dict]:
     return record
 
 
-def stopped_stream(err: StageError, stage: Stage, done_step: int, start_step: int, model, optimizer, scheduler,
+def stopped_by_data(err: StageError, stage: Stage, done_step: int, start_step: int, model, optimizer, scheduler,
                    accelerator, packs_per_step: int, train) -> StageError:
     """A data error (a corrupt stream item, the stream timed out), as one line; a timed-out stream leaves a
     checkpoint of the last step done, so `--resume` loses nothing."""
     message = str(err).strip().splitlines()[-1]  # a data loader worker wraps it in its traceback
     message = message.removeprefix(f"{type(err).__module__}.{type(err).__name__}: ")
-    if isinstance(err, StreamTimeout):
+    if err.leaves_checkpoint:
         if done_step > start_step:
             checkpoint(stage, done_step, model, optimizer, scheduler, accelerator, packs_per_step, train)
         message += f" (checkpoint: step {done_step})"

@@ -25,6 +25,8 @@ from eagle3_pipeline.stand_ins.fabricated_stages import humaneval_samples, write
 from tests.capture.test_stream_mooncake import MASTER_GONE_WITHIN_S
 from tests.conftest import CONFIGS, ROOT
 from tests.mooncake_master import mooncake_settings, running_master
+from tests.stage_reads import recorded_reads, uncovered_reads
+from tests.subprocess_site import python_environment
 from tests.train.fabricate import write_vocab_stage
 
 pytestmark = pytest.mark.vllm
@@ -48,11 +50,13 @@ def command(script: str, run_dir: Path, *args: str, stream: bool = True, extra: 
             *(arg for item in sets for arg in ("--set", item))]
 
 
-def start(script: str, run_dir: Path, *args: str, stream: bool = True, extra: list[str] = ()) -> subprocess.Popen:
+def start(script: str, run_dir: Path, *args: str, stream: bool = True, extra: list[str] = (),
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     log = run_dir.parent / f"{run_dir.name}-{script[:2]}-{time.monotonic_ns()}.log"
     # its own process group: a kill takes vLLM's engine processes with it
     job = subprocess.Popen(command(script, run_dir, *args, stream=stream, extra=extra), cwd=ROOT,
-                           stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                           stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           env=env)
     job.log = log
     return job
 
@@ -121,12 +125,19 @@ def new_run(prepared: Path, name: str) -> Path:
 
 
 def run_both(run_dir: Path) -> int:
-    """02 and 04 started together; returns the most stream bytes seen on disk."""
+    """02 and 04 started together, each recording the config keys it reads into <run_dir>-reads; returns the most
+    stream bytes seen on disk."""
     held = Held(run_dir / "02_hidden_states" / "stream")
-    capture, train = start("02_generate_hidden_states.py", run_dir), start("04_train.py", run_dir)
+    env = python_environment(run_dir.parent / f"{run_dir.name}-site", reads_dir=reads_folder(run_dir))
+    capture = start("02_generate_hidden_states.py", run_dir, env=env)
+    train = start("04_train.py", run_dir, env=env)
     wait_ok(train, "04_train")
     wait_ok(capture, "02 (stream)")
     return held.stop()
+
+
+def reads_folder(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}-reads"
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +178,12 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
     assert len({epoch for _, epoch in trained_on(run_dir)}) >= 2  # the stream ran on into later epochs
     # 02 finished after 04 started on its stream: the chain of stages still holds for 05
     wait_ok(start("05_export.py", run_dir), "05 after a streamed 02")
+
+
+def test_what_02_and_04_read_in_stream_mode_is_fingerprinted_or_runtime(streamed):
+    reads = recorded_reads(reads_folder(streamed[0]), ("02_hidden_states", "04_train"))
+    assert "capture.stream.window_gb" in reads["02_hidden_states"] and "capture.stream.poll_s" in reads["04_train"]
+    assert uncovered_reads(reads) == {}
 
 
 def kill(job: subprocess.Popen) -> None:

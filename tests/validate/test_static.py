@@ -16,7 +16,7 @@ from eagle3_pipeline.validate import stage
 from eagle3_pipeline.validate.compare import BREAKING, COSMETIC, OPTIONAL, check_vocab_maps, static_differences
 from eagle3_pipeline.validate.weights_probe import skipped_parameters
 from tests.conftest import run_python
-from tests.no_speculators import REFUSAL, without_speculators
+from tests.subprocess_site import REFUSAL, without_speculators
 from tests.validate.runs import trained_tiny_run
 
 

@@ -28,7 +28,7 @@ import pytest
 from eagle3_pipeline.stage_io import read_manifest
 from eagle3_pipeline.train import loop
 from tests.conftest import run_python
-from tests.no_speculators import without_speculators
+from tests.subprocess_site import without_speculators
 from tests.validate.runs import DEMO_HELD_OUT, DEMO_SAMPLES, DEMO_TRAIN, DEMO_VALIDATE, demo_run, stand_in_config
 from tests.validate.smollm2_inputs import humaneval_chats
 
