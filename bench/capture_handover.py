@@ -16,8 +16,8 @@ With `--forward-tokens-per-s R` each step also runs a synthetic forward (bf16 ma
 tokens / R seconds) before it is recorded; `exposed_us_per_token` is then what capture adds to the forwards
 (hand-over time the overlap does not hide). Raw single-copy rates (pageable, pinned, mapped slab) come first.
 
-    python bench/capture_handover.py --steps 6 --out bench/results/capture_handover_h200.json   # on the H200
-    python bench/capture_handover.py --device cpu --steps 2 --hidden 64 --tokens 96 128 --out /tmp/h.json
+    python -m bench.capture_handover --steps 6 --out bench/results/capture_handover_h200.json   # on the H200
+    python -m bench.capture_handover --device cpu --steps 2 --hidden 64 --tokens 96 128 --out /tmp/h.json
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from eagle3_pipeline.capture.handover import MappedArena, load_captured  # noqa: E402
-from eagle3_pipeline.capture.store import bytes_per_token, quantize_fp8  # noqa: E402
-from eagle3_pipeline.capture.worker import HiddenStateCapture  # noqa: E402
+from bench.harness import ROOT
+from eagle3_pipeline.capture.handover import MappedArena, load_captured
+from eagle3_pipeline.capture.store import bytes_per_token, quantize_fp8
+from eagle3_pipeline.capture.worker import HiddenStateCapture
 
 VARIANTS = ("pageable", "mapped", "pageable_fp8", "mapped_fp8")
 
@@ -205,7 +204,7 @@ def main() -> None:
               "torch": torch.__version__, "hand_over_dir": base or tempfile.gettempdir(),
               "shape": {"hidden": args.hidden, "num_aux": args.num_aux, "step_tokens": args.tokens,
                         "requests_per_step": args.requests, "steps": args.steps, "tokens": tokens},
-              "command": "python bench/capture_handover.py " + " ".join(sys.argv[1:]), "variants": {}}
+              "command": "python -m bench.capture_handover " + " ".join(sys.argv[1:]), "variants": {}}
     if device.type == "cuda":
         with tempfile.TemporaryDirectory(dir=base) as folder:
             result["raw_copy"] = raw_copies(steps, folder)

@@ -1,6 +1,6 @@
 """What 02's capture costs against plain prefill: the same samples, batches and engine settings, one engine at a time.
 
-    python bench/capture_overhead.py --config configs/demo_gpu.yaml --set run_dir=RUN [--method worker_extension]
+    python -m bench.capture_overhead --config configs/demo_gpu.yaml --set run_dir=RUN [--method worker_extension]
         [--max-samples 2000] --out capture_overhead.json
 
 Reads RUN/01_data (01 must have run). Each engine prefills the samples in batches of `capture.batch_size`, one
@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from eagle3_pipeline.capture.stage import load_samples  # noqa: E402
-from eagle3_pipeline.config import load_config  # noqa: E402
-from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config  # noqa: E402
+from eagle3_pipeline.capture.stage import load_samples
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
 
 def timed_batches(samples, batch_size: int, run_batch) -> float:

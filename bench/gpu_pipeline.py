@@ -1,6 +1,6 @@
 """The pipeline on a GPU node, as a user runs it: each stand-in x capture path x model runner, stage by stage.
 
-    python bench/gpu_pipeline.py --out /tmp/gpu_results [--only smollm2-extract,...]
+    python -m bench.gpu_pipeline --out /tmp/gpu_results [--only smollm2-extract,...]
 
 Runs every stage script as a subprocess (CUDA graphs on, bf16, compile: configs/demo_gpu.yaml for SmolLM2, the
 tiny Kimi with GPU engine settings), records each stage's exit status and wall time, checks 02's states against
@@ -29,15 +29,14 @@ import torch
 # imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from eagle3_pipeline.capture.store import open_reader  # noqa: E402
-from eagle3_pipeline.config import load_config  # noqa: E402
-from eagle3_pipeline.data.dataset import open_split  # noqa: E402
-from eagle3_pipeline.stage_io import STAGES  # noqa: E402
-from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat  # noqa: E402
-from eagle3_pipeline.target import target_path  # noqa: E402
+from bench.harness import ROOT
+from eagle3_pipeline.capture.store import open_reader
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.data.dataset import open_split
+from eagle3_pipeline.stage_io import STAGES
+from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
+from eagle3_pipeline.target import target_path
 
 SCRIPTS = {spec.name: spec.script for spec in STAGES.values()}
 ALL = tuple(SCRIPTS)
@@ -74,7 +73,7 @@ class Job:
 
 def capture_overhead(method: str) -> Job:
     return Job(f"capture-overhead-{method}", "configs/demo_gpu.yaml", bench=[
-        "bench/capture_overhead.py", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-prepare",
+        "-m", "bench.capture_overhead", "--config", "configs/demo_gpu.yaml", "--set", "run_dir=$WORK/smollm2-prepare",
         *SMOL_SETS, "--method", method, "--max-samples", "1500", "--out", f"$OUT/capture_overhead_{method}.json"])
 
 
@@ -90,7 +89,7 @@ PHASES = [
     # alone on the GPU: what capture costs against plain prefill; stream mode (02 and 04 at once) against offline
     [[capture_overhead("worker_extension"),
       Job("stream", "configs/demo_gpu.yaml", bench=[
-          "bench/stream.py", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
+          "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
           "--steps", "60", "--packed-length", "8192", "--window-gb", "0.2", "--work", "$WORK/stream",
           "--out", "$OUT/stream_gpu.json"]),
       capture_overhead("extract_hidden_states")]],

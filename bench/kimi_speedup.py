@@ -1,6 +1,6 @@
 """The speed-up an EAGLE-3 draft predicts for Kimi-K2.5 at concurrency 1, on paper: AL·T / (T_verify + k·D).
 
-    python bench/kimi_speedup.py            # prints the table, writes bench/results/kimi_speedup.md
+    python -m bench.kimi_speedup            # prints the table, writes bench/results/kimi_speedup.md
 
 At concurrency 1 a decode step is bound by the bytes of weights it reads (8x H200, tensor parallel 8: each GPU
 reads an eighth of every matrix, so the ratios below do not depend on the GPU count). Counted from the published
@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import ROOT
 REFERENCE = ROOT / "eagle3_pipeline" / "reference" / "aq_medai_kimi_k25_eagle3.json"
 OUT = ROOT / "bench" / "results" / "kimi_speedup.md"
 K = 3
@@ -80,7 +79,7 @@ def main() -> None:
                      + " | ".join(f"{s:.2f}x" for s in speedups) + " |")
     table = "\n".join(lines) + "\n"
     OUT.write_text("# The speed-up the draft predicts for Kimi-K2.5 at concurrency 1 (bench/kimi_speedup.py)\n\n"
-                   "    python bench/kimi_speedup.py\n\n" + table)
+                   "    python -m bench.kimi_speedup\n\n" + table)
     print(table)
 
 

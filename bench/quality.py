@@ -1,6 +1,6 @@
 """Quality benchmark: acceptance length of our draft (04_train.py) against speculators 0.9.0's own trainer.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/quality.py                  # the whole bench, one command
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.quality                  # the whole bench, one command
 
 From one shared run of stages 01-03 on the demo target (SmolLM2-135M-Instruct, configs/demo.yaml), for each
 seed it trains the 2 x 2 of trainer x layout, drafts of the same shape (hidden 576, 9 heads x 64, 3 KV heads,
@@ -49,19 +49,16 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from eagle3_pipeline.acceptance import metric_key  # noqa: E402
+from bench.harness import LAST_CPU_S, PY, ROOT, Clock, cached, run_logged, save, spread, stage_cmd
+from bench.report import render
+from eagle3_pipeline.acceptance import metric_key
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-PY = sys.executable
 # speculators' three norm flags for our trainer (norm_before_fc normalises what train.standardize_aux would scale)
 SPECULATORS_NORMS = ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
                      "train.standardize_aux=false"]
@@ -89,66 +86,6 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-class Clock:
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.phases: dict[str, float] = {}
-        self.load_averages: list[float] = []  # 1-minute load average at the end of each phase
-
-    def phase(self, name: str, seconds: float) -> None:
-        self.phases[name] = round(self.phases.get(name, 0.0) + seconds, 1)
-        self.load_averages.append(round(os.getloadavg()[0], 2))  # wall times only compare on a quiet machine
-        print(f"[bench {time.perf_counter() - self.start:7.0f} s] {name}: {seconds:.0f} s", flush=True)
-
-    def say(self, text: str) -> None:
-        print(f"[bench {time.perf_counter() - self.start:7.0f} s] {text}", flush=True)
-
-
-LAST_CPU_S: list[float] = [0.0]  # CPU seconds (user + sys) of the last run_logged command and its children
-
-
-def run_logged(cmd: list[str], log: Path) -> float:
-    """Run a command with its output in `log`; wall seconds (its CPU seconds in LAST_CPU_S). Raises with the
-    log's tail on failure."""
-    import resource
-
-    log.parent.mkdir(parents=True, exist_ok=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        code = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy())
-    seconds = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    LAST_CPU_S[0] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)
-    if code:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({code}); {log}:\n{tail}")
-    return seconds
-
-
-def stage_cmd(script: str, config: Path, overrides: list[str], *extra: str) -> list[str]:
-    cmd = [PY, script, "--config", str(config)]
-    for override in overrides:
-        cmd += ["--set", override]
-    return cmd + list(extra)
-
-
-def cached(path: Path, force: bool = False):
-    return None if force or not path.exists() else json.loads(path.read_text())
-
-
-def save(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "per_seed": values}
-
-
 def link_shared(run_dir: Path, shared: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in ("01_data", "02_hidden_states", "03_vocab"):
@@ -271,7 +208,7 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
 
     verifier = target_path(config.target)
     cmd = [
-        PY, "bench/speculators_trainer.py",
+        PY, "-m", "bench.speculators_trainer",
         "--verifier-name-or-path", str(verifier),
         "--data-path", str(data_dir),
         "--save-path", str(run_dir / "checkpoints"),
@@ -433,196 +370,6 @@ def identical_outputs(records: list[dict], ks: list[int]) -> dict:
     return shares
 
 
-def comparison_lines(report: dict) -> list[str]:
-    """The two targets (ours in the reference layout >= speculators' defaults; ours in speculators' layout >= 5%
-    ahead of them), per k and eval source, then each ablation against its base draft."""
-    res, ks = report["results"], report["ks"]
-    if not all(t in res for t in MAIN):
-        return []
-    spec = res["speculators"]
-    out = []
-    for name, needed in (("ours", 1.0), ("ours+specnorms", 1.05)):
-        for k in ks:
-            for scope, pick in [("all prompts", lambda e: e["k"][str(k)]["mean_acceptance_length_spread"])] + [
-                    (source, lambda e, source=source: e["k"][str(k)]["by_source"][source]["mean_acceptance_length"])
-                    for source in spec["k"][str(k)]["by_source"]]:
-                a, b = pick(res[name]), pick(spec)
-                ratio = a["mean"] / b["mean"]
-                every = all(v > b["mean"] * needed for v in a["per_seed"])
-                out.append(f"k={k}, {scope}: {name} ({res[name]['layout']} layout) {a['mean']:.3f} vs speculators "
-                           f"{b['mean']:.3f} ({100 * (ratio - 1):+.1f}%; target {100 * (needed - 1):+.0f}%: "
-                           f"{'met' if ratio >= needed else 'missed'}; every seed of {name} above "
-                           f"{needed:.2f} x speculators' mean: {'yes' if every else 'no'}, worst seed {a['min']:.3f})")
-    ours = res["ours"]
-    se_o, se_s = ours["shared_eval"], spec["shared_eval"]
-    out.append("teacher-forced (shared evaluator), ours vs speculators: " + ", ".join(
-        f"acc_{k} {se_o[f'acc_{k}']['mean']:.3f} vs {se_s[f'acc_{k}']['mean']:.3f}" for k in range(report["ttt_steps"])))
-    out.append(f"training wall time ours {ours['train_wall_s']['mean']:.0f} s vs speculators "
-               f"{spec['train_wall_s']['mean']:.0f} s for {ours['train_tokens']['mean']:.0f} vs "
-               f"{spec['train_tokens']['mean']:.0f} tokens ({ours['optimizer_steps']['mean']:.0f} vs "
-               f"{spec['optimizer_steps']['mean']:.0f} optimizer steps)")
-    for name, (base, _) in ABLATIONS.items():
-        if name not in res:
-            continue
-        e = res[name]
-        seeds = e["seeds"]
-        base_runs = [r for r in report["runs"] if r["trainer"] == base and r["seed"] in seeds]
-        line = f"ablation {name} (seed {','.join(map(str, seeds))}) vs {base} at the same seed(s)"
-        for k in ks:
-            if str(k) in e["k"]:
-                base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
-                base_sim = statistics.fmean(r["shared_eval"][metric_key(k)] for r in base_runs)
-                line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
-                         f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
-                         f" vs {base_sim:.3f})")
-        out.append(line)
-    return [f"- {line}" for line in out]
-
-
-def benchmark_table(report: dict) -> list[str]:
-    """Mean acceptance length per eval source and k, vLLM's and the simulated one, per draft of the 2 x 2."""
-    res, ks = report["results"], report["ks"]
-    fmt = lambda s: f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"  # noqa: E731
-    sources = list(res["ours"]["k"][str(ks[0])]["by_source"])
-    prompts = {source: res["ours"]["k"][str(ks[0])]["by_source"][source]["prompts"] for source in sources}
-    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated"
-                                      for k in ks for source in sources]
-    header += [f"all k={k} | simulated" for k in ks]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---|---|" * (len(ks) * (len(sources) + 1))]
-    for name in MAIN:
-        e = res[name]
-        cells = [e["trainer"], e["layout"]]
-        for k in ks:
-            for source in sources:
-                by = e["k"][str(k)]["by_source"][source]
-                cells += [fmt(by["mean_acceptance_length"]), fmt(by["simulated_mean_acceptance_length"])]
-        for k in ks:
-            cells += [fmt(e["k"][str(k)]["mean_acceptance_length_spread"]),
-                      fmt(e["k"][str(k)]["simulated_mean_acceptance_length"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def markdown(report: dict) -> str:
-    res, ks = report["results"], report["ks"]
-    ttt = report["ttt_steps"]
-    fmt = lambda s, d=3: f"{s['mean']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
-    lines = [
-        "# Draft quality: our trainer vs speculators 0.9.0's `speculators train`, each in both layouts",
-        "",
-        f"Command: `{report['command']}`  ",
-        f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
-        f"its phases: stages 01-03, {len(MAIN) * len(report['seeds'])} trainings, "
-        f"{len(report['ks']) * len(report['seeds']) * len(MAIN)} vLLM engine runs, "
-        f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
-        f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
-        f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(
-            f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min" for i in report.get("invocations", [])) + "); target " f"{report['target']}; seeds "
-        f"{report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, greedy, "
-        "vLLM acceptance counters (06's `serve`). Figures: mean [min, max] over the seeds.",
-        "",
-        "Mean acceptance length per held-out eval source (served turns in brackets; MT-Bench both turns, the "
-        "second after the target's own first answer; HumanEval's first 16 problems, never trained on), vLLM's "
-        "counters beside 04's simulation (bench/draft_eval.py replaying greedy chain drafting on the same answers):",
-        "",
-        *benchmark_table(report),
-        "",
-        "| trainer | train wall s | train tokens | steps | " + " | ".join(
-            f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
-        "|---|---|---|---|" + "---|---|" * len(ks),
-    ]
-    for trainer, e in res.items():
-        if trainer not in MAIN:
-            continue
-        cells = [trainer, fmt(e["train_wall_s"], 0), f"{e['train_tokens']['mean']:.0f}", f"{e['optimizer_steps']['mean']:.0f}"]
-        for k in ks:
-            kk = e["k"][str(k)]
-            cells.append(fmt(kk["mean_acceptance_length_spread"]))
-            cells.append(" / ".join(f"{p:.3f}" for p in kk["acceptance_per_position"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Teacher-forced eval on our eval split, one shared evaluator for both (bench/draft_eval.py): "
-        "acc_k = step-k top-1 agreement with the verifier; chain_k = steps 0..k all agree.",
-        "",
-        "| trainer | " + " | ".join(f"acc_{k}" for k in range(ttt)) + " | " + " | ".join(
-            f"chain_{k}" for k in range(ttt)) + " | " + " | ".join(f"KL_{k}" for k in range(ttt)) + " |",
-        "|---|" + "---|" * (3 * ttt),
-    ]
-    for trainer, e in res.items():
-        if trainer not in MAIN:
-            continue
-        se = e["shared_eval"]
-        cells = [trainer] + [fmt(se[f"acc_{k}"]) for k in range(ttt)] + [fmt(se[f"chain_acc_{k}"]) for k in range(ttt)] \
-            + [fmt(se[f"loss_{k}"]) for k in range(ttt)]
-        lines.append("| " + " | ".join(cells) + " |")
-    ablations = [t for t in res if t not in MAIN]
-    if ablations:
-        lines += ["", "Ablations (one setting of one trainer moved to the other's choice; same data, budget, shape):", "",
-                  "| draft | seeds | train wall s | chain_0 | chain_1 | chain_2 | " + " | ".join(
-                      f"mean acc. length k={k}" for k in ks) + " |", "|---|---|---|---|---|---|" + "---|" * len(ks)]
-        for trainer in list(MAIN) + ablations:
-            e = res[trainer]
-            cells = [trainer, ",".join(map(str, e["seeds"])), fmt(e["train_wall_s"], 0)] + [
-                fmt(e["shared_eval"][f"chain_acc_{k}"]) for k in range(3)] + [
-                fmt(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]
-            lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Each trainer's own eval metric (its definition differs; see quality.json):", ""]
-    for trainer, e in res.items():
-        if trainer not in MAIN:
-            continue
-        own = e["own_eval"][0] or {}
-        keys = [k for k in own if k.startswith(("acc_", "full_acc_", "cond_acc_"))]
-        lines.append(f"- {trainer}: " + ", ".join(
-            f"{key} {statistics.fmean([(o or {}).get(key, float('nan')) for o in e['own_eval']]):.3f}" for key in keys))
-    lines += ["", "## Measured differences", ""] + comparison_lines(report)
-    if report.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    res, ks = report["results"], report["ks"]
-    trainers = [t for t in res if t in MAIN]
-    fig, axes = plt.subplots(1, 1 + len(ks), figsize=(5 * (1 + len(ks)), 4.2))
-    width = 0.8 / len(trainers)
-    ax = axes[0]
-    for i, trainer in enumerate(trainers):
-        spreads = [res[trainer]["k"][str(k)]["mean_acceptance_length_spread"] for k in ks]
-        means = [s["mean"] for s in spreads]
-        err = [[m - s["min"] for m, s in zip(means, spreads)], [s["max"] - m for m, s in zip(means, spreads)]]
-        x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(len(ks))]
-        ax.bar(x, means, width, yerr=err, capsize=4, label=trainer, color=f"C{i}")
-        for xi, m in zip(x, means):
-            ax.text(xi, m + 0.02, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
-    ax.set_ylabel("mean acceptance length (vLLM)")
-    ax.set_title("mean acceptance length, min-max over seeds")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    for ax, k in zip(axes[1:], ks):
-        for i, trainer in enumerate(trainers):
-            kk = res[trainer]["k"][str(k)]
-            means = kk["acceptance_per_position"]
-            err = [[m - lo for m, lo in zip(means, kk["acceptance_per_position_min"])],
-                   [hi - m for m, hi in zip(means, kk["acceptance_per_position_max"])]]
-            x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(k)]
-            ax.bar(x, means, width, yerr=err, capsize=3, label=trainer, color=f"C{i}")
-        ax.set_xticks(range(k), [str(j + 1) for j in range(k)])
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate")
-        ax.set_title(f"acceptance per position, k = {k}")
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -698,7 +445,8 @@ def main() -> None:
     results = summarize(records, args.ks, config.train.ttt_steps)
     clock.phases["total"] = round(time.perf_counter() - clock.start, 1)
     report = {
-        "command": "HF_HUB_OFFLINE=1 .venv/bin/python bench/quality.py " + " ".join(sys.argv[1:]),
+        "command": "HF_HUB_OFFLINE=1 .venv/bin/python -m bench.quality " + " ".join(sys.argv[1:]),
+        "main": list(MAIN), "ablation_bases": {name: base for name, (base, _) in ABLATIONS.items()},
         "target": "SmolLM2-135M-Instruct (stand-in)", "config": str(args.config), "seeds": args.seeds, "ks": args.ks,
         "eval_prompts": len(prompts), "max_tokens": args.max_tokens, "ttt_steps": config.train.ttt_steps,
         "wall_time_s": clock.phases, "run_dir": str(args.run_dir),
@@ -719,11 +467,8 @@ def main() -> None:
     invocations = previous.get("invocations") or ([{"command": previous["command"], "wall_s": previous["wall_time_s"]["total"]}]
                                                   if "wall_time_s" in previous else [])
     report["invocations"] = invocations + [{"command": report["command"], "wall_s": clock.phases["total"]}]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     save(args.out, report)
-    args.out.with_suffix(".md").write_text(markdown(report))
-    plot(report, args.out.with_suffix(".png"))
-    print(markdown(report))
+    print(render("quality", args.out))
     clock.say(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
 
 

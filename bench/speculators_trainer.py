@@ -17,7 +17,7 @@ Two jobs, both used by bench/quality.py:
    calls) with the minimal CPU workarounds below applied from the outside, and every metric record its
    `speculators.metrics` logger emits appended to `<save_path>/../metrics.jsonl`:
 
-       .venv/bin/python bench/speculators_trainer.py --verifier-name-or-path ... --data-path ... [...]
+       .venv/bin/python -m bench.speculators_trainer --verifier-name-or-path ... --data-path ... [...]
 
    CPU workarounds (speculators 0.9.0's trainer assumes an accelerator):
    - `Trainer` moves the model and batches to `get_local_rank()` (the integer 0, i.e. cuda:0): patched to
@@ -40,8 +40,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:

@@ -10,9 +10,9 @@ Per run: 04's tokens/s (median over its logged steps), the share of 04's time sp
 (`data_wait_frac`, from metrics.jsonl), 02's time waiting for room in the window (stream: its manifest), the
 wall time of each stage and of the whole run, and the most stream bytes seen on disk.
 
-    python bench/stream.py                          # writes bench/results/stream.json and stream.md
-    python bench/stream.py --samples 32 --steps 16  # smaller
-    python bench/stream.py --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ...
+    python -m bench.stream                          # writes bench/results/stream.json and stream.md
+    python -m bench.stream --samples 32 --steps 16  # smaller
+    python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ...
                                                     # on a GPU: another config, RUN's 01_data and 03_vocab
 """
 
@@ -29,8 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT
 
 
 def sets(run_dir: Path, args, stream: bool) -> list[str]:

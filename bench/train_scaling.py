@@ -23,14 +23,14 @@ per_gpu(P) / per_gpu(1). Runs go in priority order and are skipped when --deadli
 picks some, and --reference adds the runs of an earlier result (same shapes and code) to compare against.
 The JSON is rewritten after every launch.
 
-    python bench/train_scaling.py --out bench/results/train_scaling_h200x2.json     # 2 GPUs: all runs, ~20 min
-    python bench/train_scaling.py --processes 2 4 8 --out ...                         # a node of 8 GPUs
-    python bench/train_scaling.py --shapes tiny --out /tmp/train_scaling_cpu.json     # CPU smoke test (gloo), ~2 min
+    python -m bench.train_scaling --out bench/results/train_scaling_h200x2.json     # 2 GPUs: all runs, ~20 min
+    python -m bench.train_scaling --processes 2 4 8 --out ...                         # a node of 8 GPUs
+    python -m bench.train_scaling --shapes tiny --out /tmp/train_scaling_cpu.json     # CPU smoke test (gloo), ~2 min
 
 bench/results/train_scaling_h200x2.json was made in two 10-minute leases of a 2 x H200 machine:
 
-    python bench/train_scaling.py --out R.json --deadline-s 520          # one, multi_2 of both shapes
-    python bench/train_scaling.py --shapes kimi demo --runs chain_2_1_2 one_half --reference R.json \
+    python -m bench.train_scaling --out R.json --deadline-s 520          # one, multi_2 of both shapes
+    python -m bench.train_scaling --shapes kimi demo --runs chain_2_1_2 one_half --reference R.json \
         --out bench/results/train_scaling_h200x2.json --deadline-s 425  # the cross-count chains
 
 On GPU the multi-process runs use `accelerate launch --multi_gpu` (NCCL; NVLink multicast is kept off:
@@ -59,8 +59,7 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT, versions
 
 # Shapes: the base config, the target's facts (what the fabricated target folder holds) and the run's size.
 SHAPES = {
@@ -530,18 +529,6 @@ def topology() -> str | None:
         return None
 
 
-def versions() -> dict[str, str]:
-    from importlib import metadata
-
-    found = {"python": sys.version.split()[0]}
-    for package in ("torch", "transformers", "accelerate", "speculators", "datasets"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "absent"
-    if torch.cuda.is_available():
-        found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return found
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ peak memory. `--profile` adds the device time per kernel and per kind of kernel 
 `--loss-curve N` trains ours with train.fp8 false and true from one initialisation and compares the losses.
 Prints a table, writes JSON.
 
-    python bench/train_throughput.py --profile --loss-curve 30   # one H200: the Kimi draft (configs/kimi_k25.yaml)
-    python bench/train_throughput.py --tiny                      # CPU smoke test: configs/tiny_kimi.yaml's draft
+    python -m bench.train_throughput --profile --loss-curve 30   # one H200: the Kimi draft (configs/kimi_k25.yaml)
+    python -m bench.train_throughput --tiny                      # CPU smoke test: configs/tiny_kimi.yaml's draft
 
 Needs torch, transformers, accelerate, speculators 0.9.0 (with pydantic), pyyaml, and torchao for fp8; not
 datasets or openai, which speculators imports but never calls on this path (stand-ins are installed when they
@@ -43,8 +43,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT, versions
 IMPORTED_NOT_CALLED = ("datasets", "openai")  # speculators.train.data imports them at module level
 CHUNK_ROWS = 1024  # train.loss_chunk_rows measured when the config ships the plain loss
 
@@ -419,16 +418,6 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def versions() -> dict[str, str]:
-    from importlib import metadata
-
-    found = {}
-    for package in ("torch", "transformers", "accelerate", "speculators"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "absent"
-    return found
 
 
 def print_header(results: dict) -> None:

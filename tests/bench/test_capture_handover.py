@@ -81,7 +81,7 @@ def test_handover_is_validated():
 
 def test_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "handover.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "capture_handover.py"), "--device", "cpu", "--steps", "2",
+    subprocess.run([sys.executable, "-m", "bench.capture_handover", "--device", "cpu", "--steps", "2",
                     "--hidden", "32", "--tokens", "64", "96", "--dir", str(tmp_path), "--out", str(out)],
                    check=True, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())

@@ -9,7 +9,8 @@ import datasets
 import torch
 
 from bench import quality
-from bench.quality import matched_steps, spread
+from bench.harness import spread
+from bench.quality import matched_steps
 from bench.speculators_trainer import train_batches, write_dataset
 from tests.train.fabricate import TINY, tiny_run
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.quality_gpu import CONFIG, LEVERS, draft_jobs, markdown
+from bench.quality_gpu import CONFIG, LEVERS, draft_jobs
+from bench.report import quality_gpu_markdown as markdown
 from eagle3_pipeline.acceptance import metric_key
 
 BENCH_CONFIG = Path(__file__).resolve().parents[2] / CONFIG
@@ -58,7 +59,7 @@ def test_report_targets_against_hand_computation():
     ours = [_draft(640, {"mtbench": m, "humaneval.2": h}, 0, seed=i)
             for i, (m, h) in enumerate(((2.06, 3.0), (2.10, 3.1), (2.12, 3.2)))]
     theirs = [_draft(600, {"mtbench": m, "humaneval.2": h}, 0) for m, h in ((2.0, 3.0), (2.0, 2.9), (2.0, 3.1))]
-    report = {"commands": ["c"], "curve_steps": [40, 640], "drafts": {
+    report = {"commands": ["c"], "curve_steps": [40, 640], "k": 3, "drafts": {
         **{f"ours-640-s{i}": d for i, d in enumerate(ours)},
         **{f"speculators-640-s{i}": d for i, d in enumerate(theirs)},
         "fp8-640-s0": _draft(640, dict.fromkeys(sources, 2.0), 0, ["train.fp8=true"]),

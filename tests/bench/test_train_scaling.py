@@ -13,7 +13,7 @@ from tests.conftest import run_python
 @pytest.mark.slow
 def test_tiny_scaling_run_follows_the_one_process_curve(tmp_path):
     out = tmp_path / "scaling.json"
-    result = run_python("bench/train_scaling.py", "--shapes", "tiny", "--runs", "one", "multi_2", "chain_2_1_2",
+    result = run_python("-m", "bench.train_scaling", "--shapes", "tiny", "--runs", "one", "multi_2", "chain_2_1_2",
                         "--work", str(tmp_path / "work"), "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     tiny = json.loads(out.read_text())["shapes"]["tiny"]

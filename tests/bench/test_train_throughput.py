@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
-
 
 @pytest.mark.slow
 def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import train_throughput as bench
+
     out = tmp_path / "result.json"
     monkeypatch.setattr(sys, "argv", ["train_throughput.py", "--tiny", "--packed-length", "128", "--warmup", "1",
                                       "--steps", "1", "--out", str(out)])

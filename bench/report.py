@@ -1,0 +1,382 @@
+"""The benches' reports rendered from their saved results: markdown tables and plots. Measuring lives in each
+bench's module; `python -m bench.report NAME RESULT.json` renders a saved result again.
+
+    quality       bench/quality.py's report (CPU, SmolLM2): quality_markdown, quality_plot
+    quality_gpu   bench/quality_gpu.py's report (one H200): quality_gpu_markdown, quality_gpu_plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from bench.harness import spread_text
+from eagle3_pipeline.acceptance import metric_key
+
+
+# -------------------------------------------------------------------------------------- bench/quality.py
+def comparison_lines(report: dict) -> list[str]:
+    """The two targets (ours in the reference layout >= speculators' defaults; ours in speculators' layout >= 5%
+    ahead of them), per k and eval source, then each ablation against its base draft."""
+    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
+    res, ks = report["results"], report["ks"]
+    if not all(t in res for t in main_drafts):
+        return []
+    spec = res["speculators"]
+    out = []
+    for name, needed in (("ours", 1.0), ("ours+specnorms", 1.05)):
+        for k in ks:
+            for scope, pick in [("all prompts", lambda e: e["k"][str(k)]["mean_acceptance_length_spread"])] + [
+                    (source, lambda e, source=source: e["k"][str(k)]["by_source"][source]["mean_acceptance_length"])
+                    for source in spec["k"][str(k)]["by_source"]]:
+                a, b = pick(res[name]), pick(spec)
+                ratio = a["mean"] / b["mean"]
+                every = all(v > b["mean"] * needed for v in a["per_seed"])
+                out.append(f"k={k}, {scope}: {name} ({res[name]['layout']} layout) {a['mean']:.3f} vs speculators "
+                           f"{b['mean']:.3f} ({100 * (ratio - 1):+.1f}%; target {100 * (needed - 1):+.0f}%: "
+                           f"{'met' if ratio >= needed else 'missed'}; every seed of {name} above "
+                           f"{needed:.2f} x speculators' mean: {'yes' if every else 'no'}, worst seed {a['min']:.3f})")
+    ours = res["ours"]
+    se_o, se_s = ours["shared_eval"], spec["shared_eval"]
+    out.append("teacher-forced (shared evaluator), ours vs speculators: " + ", ".join(
+        f"acc_{k} {se_o[f'acc_{k}']['mean']:.3f} vs {se_s[f'acc_{k}']['mean']:.3f}" for k in range(report["ttt_steps"])))
+    out.append(f"training wall time ours {ours['train_wall_s']['mean']:.0f} s vs speculators "
+               f"{spec['train_wall_s']['mean']:.0f} s for {ours['train_tokens']['mean']:.0f} vs "
+               f"{spec['train_tokens']['mean']:.0f} tokens ({ours['optimizer_steps']['mean']:.0f} vs "
+               f"{spec['optimizer_steps']['mean']:.0f} optimizer steps)")
+    for name, base in report["ablation_bases"].items():  # each ablation against its base draft
+        if name not in res:
+            continue
+        e = res[name]
+        seeds = e["seeds"]
+        base_runs = [r for r in report["runs"] if r["trainer"] == base and r["seed"] in seeds]
+        line = f"ablation {name} (seed {','.join(map(str, seeds))}) vs {base} at the same seed(s)"
+        for k in ks:
+            if str(k) in e["k"]:
+                base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
+                base_sim = statistics.fmean(r["shared_eval"][metric_key(k)] for r in base_runs)
+                line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
+                         f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
+                         f" vs {base_sim:.3f})")
+        out.append(line)
+    return [f"- {line}" for line in out]
+
+
+def benchmark_table(report: dict) -> list[str]:
+    """Mean acceptance length per eval source and k, vLLM's and the simulated one, per draft of the 2 x 2."""
+    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
+    res, ks = report["results"], report["ks"]
+    fmt = lambda s: f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"  # noqa: E731
+    sources = list(res["ours"]["k"][str(ks[0])]["by_source"])
+    prompts = {source: res["ours"]["k"][str(ks[0])]["by_source"][source]["prompts"] for source in sources}
+    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated"
+                                      for k in ks for source in sources]
+    header += [f"all k={k} | simulated" for k in ks]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---|---|" * (len(ks) * (len(sources) + 1))]
+    for name in main_drafts:
+        e = res[name]
+        cells = [e["trainer"], e["layout"]]
+        for k in ks:
+            for source in sources:
+                by = e["k"][str(k)]["by_source"][source]
+                cells += [fmt(by["mean_acceptance_length"]), fmt(by["simulated_mean_acceptance_length"])]
+        for k in ks:
+            cells += [fmt(e["k"][str(k)]["mean_acceptance_length_spread"]),
+                      fmt(e["k"][str(k)]["simulated_mean_acceptance_length"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def quality_markdown(report: dict) -> str:
+    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
+    res, ks = report["results"], report["ks"]
+    ttt = report["ttt_steps"]
+    fmt = lambda s, d=3: f"{s['mean']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
+    lines = [
+        "# Draft quality: our trainer vs speculators 0.9.0's `speculators train`, each in both layouts",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
+        f"its phases: stages 01-03, {len(main_drafts) * len(report['seeds'])} trainings, "
+        f"{len(report['ks']) * len(report['seeds']) * len(main_drafts)} vLLM engine runs, "
+        f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
+        f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
+        f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(
+            f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min" for i in report.get("invocations", [])) + "); target " f"{report['target']}; seeds "
+        f"{report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, greedy, "
+        "vLLM acceptance counters (06's `serve`). Figures: mean [min, max] over the seeds.",
+        "",
+        "Mean acceptance length per held-out eval source (served turns in brackets; MT-Bench both turns, the "
+        "second after the target's own first answer; HumanEval's first 16 problems, never trained on), vLLM's "
+        "counters beside 04's simulation (bench/draft_eval.py replaying greedy chain drafting on the same answers):",
+        "",
+        *benchmark_table(report),
+        "",
+        "| trainer | train wall s | train tokens | steps | " + " | ".join(
+            f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
+        "|---|---|---|---|" + "---|---|" * len(ks),
+    ]
+    for trainer, e in res.items():
+        if trainer not in main_drafts:
+            continue
+        cells = [trainer, fmt(e["train_wall_s"], 0), f"{e['train_tokens']['mean']:.0f}", f"{e['optimizer_steps']['mean']:.0f}"]
+        for k in ks:
+            kk = e["k"][str(k)]
+            cells.append(fmt(kk["mean_acceptance_length_spread"]))
+            cells.append(" / ".join(f"{p:.3f}" for p in kk["acceptance_per_position"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Teacher-forced eval on our eval split, one shared evaluator for both (bench/draft_eval.py): "
+        "acc_k = step-k top-1 agreement with the verifier; chain_k = steps 0..k all agree.",
+        "",
+        "| trainer | " + " | ".join(f"acc_{k}" for k in range(ttt)) + " | " + " | ".join(
+            f"chain_{k}" for k in range(ttt)) + " | " + " | ".join(f"KL_{k}" for k in range(ttt)) + " |",
+        "|---|" + "---|" * (3 * ttt),
+    ]
+    for trainer, e in res.items():
+        if trainer not in main_drafts:
+            continue
+        se = e["shared_eval"]
+        cells = [trainer] + [fmt(se[f"acc_{k}"]) for k in range(ttt)] + [fmt(se[f"chain_acc_{k}"]) for k in range(ttt)] \
+            + [fmt(se[f"loss_{k}"]) for k in range(ttt)]
+        lines.append("| " + " | ".join(cells) + " |")
+    ablations = [t for t in res if t not in main_drafts]
+    if ablations:
+        lines += ["", "Ablations (one setting of one trainer moved to the other's choice; same data, budget, shape):", "",
+                  "| draft | seeds | train wall s | chain_0 | chain_1 | chain_2 | " + " | ".join(
+                      f"mean acc. length k={k}" for k in ks) + " |", "|---|---|---|---|---|---|" + "---|" * len(ks)]
+        for trainer in list(main_drafts) + ablations:
+            e = res[trainer]
+            cells = [trainer, ",".join(map(str, e["seeds"])), fmt(e["train_wall_s"], 0)] + [
+                fmt(e["shared_eval"][f"chain_acc_{k}"]) for k in range(3)] + [
+                fmt(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Each trainer's own eval metric (its definition differs; see quality.json):", ""]
+    for trainer, e in res.items():
+        if trainer not in main_drafts:
+            continue
+        own = e["own_eval"][0] or {}
+        keys = [k for k in own if k.startswith(("acc_", "full_acc_", "cond_acc_"))]
+        lines.append(f"- {trainer}: " + ", ".join(
+            f"{key} {statistics.fmean([(o or {}).get(key, float('nan')) for o in e['own_eval']]):.3f}" for key in keys))
+    lines += ["", "## Measured differences", ""] + comparison_lines(report)
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def quality_plot(report: dict, path: Path) -> None:
+    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res, ks = report["results"], report["ks"]
+    trainers = [t for t in res if t in main_drafts]
+    fig, axes = plt.subplots(1, 1 + len(ks), figsize=(5 * (1 + len(ks)), 4.2))
+    width = 0.8 / len(trainers)
+    ax = axes[0]
+    for i, trainer in enumerate(trainers):
+        spreads = [res[trainer]["k"][str(k)]["mean_acceptance_length_spread"] for k in ks]
+        means = [s["mean"] for s in spreads]
+        err = [[m - s["min"] for m, s in zip(means, spreads)], [s["max"] - m for m, s in zip(means, spreads)]]
+        x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(len(ks))]
+        ax.bar(x, means, width, yerr=err, capsize=4, label=trainer, color=f"C{i}")
+        for xi, m in zip(x, means):
+            ax.text(xi, m + 0.02, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+    ax.set_ylabel("mean acceptance length (vLLM)")
+    ax.set_title("mean acceptance length, min-max over seeds")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    for ax, k in zip(axes[1:], ks):
+        for i, trainer in enumerate(trainers):
+            kk = res[trainer]["k"][str(k)]
+            means = kk["acceptance_per_position"]
+            err = [[m - lo for m, lo in zip(means, kk["acceptance_per_position_min"])],
+                   [hi - m for m, hi in zip(means, kk["acceptance_per_position_max"])]]
+            x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(k)]
+            ax.bar(x, means, width, yerr=err, capsize=3, label=trainer, color=f"C{i}")
+        ax.set_xticks(range(k), [str(j + 1) for j in range(k)])
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+        ax.set_title(f"acceptance per position, k = {k}")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- bench/quality_gpu.py
+def sources_of(report: dict) -> list[str]:
+    served_k = report["k"]  # the k the bench serves and simulates at
+    for record in report["drafts"].values():
+        if "shared_eval" in record:
+            return [key.split("/", 1)[1] for key in record["shared_eval"] if key.startswith(f"{metric_key(served_k)}/")]
+    return []
+
+
+def quality_gpu_markdown(report: dict) -> str:
+    served_k = report["k"]  # the k the bench serves and simulates at
+    drafts = {n: r for n, r in report["drafts"].items() if "shared_eval" in r}
+    sources = sources_of(report)
+    largest = max(report["curve_steps"])
+    sim = lambda r, s=None: r["shared_eval"][metric_key(served_k, source=s) if s else metric_key(served_k)]  # noqa: E731
+    mean_of_sources = lambda r: statistics.fmean(sim(r, s) for s in sources)  # noqa: E731
+    header = ["draft", "train tokens", "train wall s"] + sources + ["mean of benchmarks", "all prompts"]
+    lines = [
+        "# Draft quality at scale on one H200: our trainer against speculators 0.9.0's",
+        "",
+        "Commands, in order (each rerun skips the work an earlier one finished): "
+        + "; ".join(f"`{command}`" for command in report["commands"]) + " (bench/quality_gpu.yaml). Target SmolLM2-135M-Instruct (stand-in), every "
+        f"training answer regenerated by it; acceptance length (AL) at k={served_k}, simulated by one shared evaluator "
+        "(bench/draft_eval.py: 04's greedy chain replay on the held-out eval answers) unless marked vLLM.",
+        "",
+    ]
+    if report.get("data"):
+        data = report["data"]
+        lines += [f"Data: {data['train_conversations']} training conversations, {data['train_tokens']} tokens "
+                  f"({data['loss_tokens']} loss-masked); 01-03 took "
+                  + ", ".join(f"{k[:2]} {v:.0f} s" for k, v in data["stage_seconds"].items())
+                  + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s" if data.get("generation") else "")
+                  + ".", ""]
+    curve = [steps for steps in sorted(report["curve_steps"]) if f"ours-{steps}-s0" in drafts]
+    if len(curve) > 1:  # a run of the largest point alone has no curve to show
+        lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
+                  "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+        for trainer in ("ours", "speculators"):
+            for steps in curve:
+                record = drafts.get(f"{trainer}-{steps}-s0")
+                if record:
+                    lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
+                                                     f"{record['train_wall_s']:.0f}"]
+                                                    + [f"{sim(record, s):.3f}" for s in sources]
+                                                    + [f"{mean_of_sources(record):.3f}", f"{sim(record):.3f}"]) + " |")
+    lines += ["", f"## Three seeds at the largest point ({largest} steps): mean [min, max]", "",
+              "| " + " | ".join(["trainer"] + sources + ["mean of benchmarks", "all prompts"]) + " |",
+              "|---" * (len(sources) + 3) + "|"]
+    seeds = {}
+    for trainer in ("ours", "speculators"):
+        runs = [drafts[n] for n in (f"{trainer}-{largest}-s{s}" for s in range(3)) if n in drafts]
+        if runs:
+            seeds[trainer] = runs
+            lines.append("| " + " | ".join([f"{trainer} ({len(runs)} seeds)"] + [spread_text([sim(r, s) for r in runs]) for s in sources]
+                                             + [spread_text([mean_of_sources(r) for r in runs]), spread_text([sim(r) for r in runs])]) + " |")
+    if len(seeds) == 2:
+        lines += ["", "Targets (ours in the reference layout at least 3% above speculators' defaults, every seed "
+                  "above their mean):", ""]
+        for scope, pick in [("MT-Bench", lambda r: sim(r, "mtbench")), ("mean of benchmarks", mean_of_sources)]:
+            if scope == "MT-Bench" and "mtbench" not in sources:
+                continue
+            ours = [pick(r) for r in seeds["ours"]]
+            theirs = statistics.fmean(pick(r) for r in seeds["speculators"])
+            ratio = statistics.fmean(ours) / theirs - 1
+            lines.append(f"- {scope}: ours {statistics.fmean(ours):.3f} vs speculators {theirs:.3f} "
+                         f"({100 * ratio:+.1f}%; target +3%: {'met' if ratio >= 0.03 else 'missed'}; every seed above "
+                         f"their mean: {'yes' if min(ours) > theirs else 'no'})")
+    levers: dict[str, list[dict]] = {}  # lever -> its drafts, one per seed
+    for name, record in drafts.items():
+        if not name.startswith(("ours-", "speculators-")):
+            levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
+    levers = {lever: sorted(runs, key=lambda r: r["seed"]) for lever, runs in levers.items()}
+    if levers:
+        lines += ["", f"## Levers at {largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
+                  "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds "
+                  "| vs speculators' mean (every seed above it) |",
+                  "|---|---|---|" + "---|" * (len(sources) + 3)]
+        theirs = (statistics.fmean(map(mean_of_sources, seeds["speculators"])) if "speculators" in seeds else None)
+        for lever, runs in sorted(levers.items(), key=lambda item: -statistics.fmean(map(mean_of_sources, item[1]))):
+            base = [drafts[f"ours-{largest}-s{r['seed']}"] for r in runs if f"ours-{largest}-s{r['seed']}" in drafts]
+            versus = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / statistics.fmean(map(mean_of_sources, base)) - 1):+.1f}%"
+                      if len(base) == len(runs) else "-")
+            above = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / theirs - 1):+.1f}% "
+                     f"({'yes' if min(map(mean_of_sources, runs)) > theirs else 'no'})" if theirs else "-")
+            lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs), "`" + " ".join(runs[0]["extra"]) + "`"]
+                                             + [spread_text([sim(r, s) for r in runs]) for s in sources]
+                                             + [spread_text([mean_of_sources(r) for r in runs]), versus, above]) + " |")
+    if report.get("served"):
+        lines += ["", f"## vLLM's own counters (06's serve, k={served_k}) against the simulation", "",
+                  "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
+                  "AL / simulated (docs/06_validate.md: which is which).", "",
+                  "| draft | " + " | ".join(sources) + " | all prompts |", "|---|" + "---|" * (len(sources) + 1)]
+        both = lambda run, s=None: "{:.3f} / {} / {:.3f}".format(  # noqa: E731
+            (run["by_source"][s] if s else run)["mean_acceptance_length"],
+            f"{value:.3f}" if (value := (run["by_source"][s] if s else run).get("mean_request_acceptance_length"))
+            is not None else "-", sim(report["drafts"][run["trainer"]], s))
+        for name, run in report["served"].items():
+            run = dict(run, trainer=name)
+            cells = [both(run, s) if s in run["by_source"] else "-" for s in sources]
+            lines.append("| " + " | ".join([name, *cells, both(run)]) + " |")
+    if report.get("regeneration"):
+        lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's concurrency)", "",
+                  "| run | generated tokens | tokens/s | mean acceptance length |", "|---|---|---|---|"]
+        for name, run in report["regeneration"].items():
+            generation = run["generation"] or {}
+            speculative = generation.get("speculative") or {}
+            lines.append(f"| {name} | {generation.get('tokens_generated')} | {generation.get('tokens_per_s')} | "
+                         f"{speculative.get('mean_acceptance_length', '-')} |")
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
+    failed = {n: r["error"].splitlines()[-1][:200] for n, r in report["drafts"].items() if "error" in r}
+    if failed:
+        lines += ["", "## Failed", ""] + [f"- {n}: {e}" for n, e in failed.items()]
+    return "\n".join(lines) + "\n"
+
+
+def quality_gpu_plot(report: dict, path: Path) -> None:
+    served_k = report["k"]  # the k the bench serves and simulates at
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = sources_of(report)
+    fig, axes = plt.subplots(1, len(sources) + 1, figsize=(4 * (len(sources) + 1), 3.6), sharex=True)
+    for ax, source in zip(axes, [None, *sources]):
+        for i, trainer in enumerate(("ours", "speculators")):
+            points = sorted((r["train_tokens"], r["shared_eval"][metric_key(served_k, source=source)])
+                            for n, r in report["drafts"].items()
+                            if n.startswith(f"{trainer}-") and n.endswith("-s0") and "shared_eval" in r)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=trainer, color=f"C{i}")
+        for name, record in report["drafts"].items():  # the levers, one point each at the largest budget
+            if not name.startswith(("ours-", "speculators-")) and "shared_eval" in record:
+                ax.scatter(record["train_tokens"], record["shared_eval"][metric_key(served_k, source=source)], marker="x",
+                           color="gray")
+                ax.annotate(name.rsplit("-", 2)[0], (record["train_tokens"],
+                            record["shared_eval"][metric_key(served_k, source=source)]), fontsize=6, color="gray")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(source or "all prompts")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"simulated acceptance length, k={served_k}")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+RENDERERS = {"quality": (quality_markdown, quality_plot), "quality_gpu": (quality_gpu_markdown, quality_gpu_plot)}
+
+
+def render(name: str, result: Path) -> str:
+    """Write RESULT's .md and .png beside it; returns the markdown."""
+    markdown, plot = RENDERERS[name]
+    report = json.loads(result.read_text())
+    text = markdown(report)
+    result.with_suffix(".md").write_text(text)
+    plot(report, result.with_suffix(".png"))
+    return text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="render a saved bench result's report again")
+    parser.add_argument("name", choices=sorted(RENDERERS))
+    parser.add_argument("result", type=Path)
+    args = parser.parse_args()
+    print(render(args.name, args.result))
