@@ -14,6 +14,7 @@ runs, not what it makes, so it is in no fingerprint and changing it makes nothin
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -154,6 +155,19 @@ def atomic_path(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a file beside `final` for its build: another process building the same thing
+    (02 and 04 of a stream run, parallel test workers) waits, then finds it built."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f".{final.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

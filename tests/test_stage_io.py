@@ -150,3 +150,34 @@ def test_a_deleted_earlier_folder_is_not_needed_but_its_config_still_counts(tmp_
     with pytest.raises(StageError, match=r"04_train was made from 02_hidden_states under a different config "
                                          r"\(changed: capture.dtype: \"bfloat16\" -> \"fp8\"\)"):
         Stage(changed, "05_export").check_inputs()
+
+
+def test_a_build_waits_for_another_process_building_the_same_thing(tmp_path):
+    import multiprocessing
+    import time
+
+    from eagle3_pipeline.stage_io import build_lock
+
+    final = tmp_path / "built"
+    context = multiprocessing.get_context("spawn")
+    holding = context.Event()
+    other = context.Process(target=_hold_build_lock, args=(str(final), holding, 1.5))
+    other.start()
+    assert holding.wait(60)
+    started = time.monotonic()
+    with build_lock(final):
+        waited = time.monotonic() - started
+    other.join()
+    assert waited >= 1.0 and final.read_text() == "built by the other process"
+
+
+def _hold_build_lock(final: str, holding, seconds: float) -> None:
+    import time
+    from pathlib import Path
+
+    from eagle3_pipeline.stage_io import build_lock
+
+    with build_lock(Path(final)):
+        holding.set()
+        time.sleep(seconds)
+        Path(final).write_text("built by the other process")

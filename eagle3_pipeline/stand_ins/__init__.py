@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eagle3_pipeline.stage_io import atomic_path
+from eagle3_pipeline.stage_io import atomic_path, build_lock
 
 # name -> (module with `build(out_dir, **options)`, builder version: bump it when the build's output changes,
 # the options)
@@ -48,10 +48,13 @@ def ensure_stand_in(name: str) -> Path:
     folder = cache_dir() / "stand_ins" / f"{name}-v{version}"
     if (folder / "config.json").exists():
         return folder
-    print(f"building stand-in target {name} -> {folder}")
-    with atomic_path(folder) as tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        importlib.import_module(module_name).build(tmp, **options)
+    with build_lock(folder):
+        if (folder / "config.json").exists():  # another process built it while this one waited
+            return folder
+        print(f"building stand-in target {name} -> {folder}")
+        with atomic_path(folder) as tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            importlib.import_module(module_name).build(tmp, **options)
     return folder
 
