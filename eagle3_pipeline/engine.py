@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.config_sections import EngineConfig, TargetConfig
 from eagle3_pipeline.target import is_mla, text_config
 
@@ -38,6 +39,7 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     spawned then, take their copy, and the next engine of this process starts from the caller's environment.
     """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
+    check_model_runner_choice({**os.environ, **environment})
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
     if environment.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
@@ -114,13 +116,31 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
 
 # the first vLLM release read to size a draft's FlashAttention plan from the draft's own layers under MRv2
 MRV2_DRAFT_ATTENTION_FIXED = (0, 33)
+# the first vLLM release without Model Runner V1 (vllm/platforms/interface.py refuses VLLM_USE_V2_MODEL_RUNNER != 1)
+V1_RUNNER_REMOVED = (0, 34)
+
+
+def installed_vllm() -> tuple[int, ...] | None:
+    """The installed vLLM's (major, minor), or None where vLLM is not installed here."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 def mrv2_plans_the_drafts_own_attention() -> bool:
     """Whether the installed GPU vLLM is known to plan an EAGLE draft's attention for the draft's own shape under
     Model Runner V2; False where vLLM is not installed here (a printed command then runs on any version)."""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) >= MRV2_DRAFT_ATTENTION_FIXED
+    version = installed_vllm()
+    return version is not None and version >= MRV2_DRAFT_ATTENTION_FIXED
+
+
+def check_model_runner_choice(environment: Mapping[str, str]) -> None:
+    """Before an engine loads anything: vLLM 0.34 and later have Model Runner V2 only, and refuse
+    VLLM_USE_V2_MODEL_RUNNER set to anything but 1; say so as a config error instead of a traceback."""
+    value = environment.get("VLLM_USE_V2_MODEL_RUNNER")
+    version = installed_vllm()
+    if value not in (None, "1") and version is not None and version >= V1_RUNNER_REMOVED:
+        raise ConfigError(f"VLLM_USE_V2_MODEL_RUNNER={value}: vLLM {'.'.join(map(str, version))} has no Model Runner "
+                          "V1 (removed in 0.34); unset the variable")

@@ -9,7 +9,10 @@ import shlex
 import sys
 import types
 
+import pytest
+
 from eagle3_pipeline import engine
+from eagle3_pipeline.config import ConfigError
 from eagle3_pipeline.config_sections import TargetConfig
 from eagle3_pipeline.export import serving
 
@@ -83,3 +86,22 @@ def test_cpu_engine_runs_an_fp32_mla_target_on_the_reference_mla_backend(monkeyp
     assert engine.engine_settings(bf16, tmp_path, dtype="float32")[0]["attention_backend"] == "CPU_MLA"
     # with a draft the target's MLA is off (VLLM_MLA_DISABLE): no MLA backend to choose
     assert "attention_backend" not in engine.engine_settings(fp32, tmp_path, speculative_config=EAGLE3)[0]
+
+
+def test_vllm_034_without_model_runner_v1_refuses_the_v1_switch_before_loading(monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    target = TargetConfig(path=str(tmp_path))
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    loaded = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **settings: loaded.append(settings)))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0")
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0: vLLM 0.34 has no Model Runner V1"):
+        engine.start_engine(target, tmp_path)
+    assert loaded == []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.33.1")  # V1 still there: allowed
+    engine.start_engine(target, tmp_path)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # redundant on 0.34, not refused
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0")
+    engine.start_engine(target, tmp_path)
+    assert len(loaded) == 2

@@ -192,13 +192,16 @@ def check_runner_support() -> None:
     import dataclasses
     import inspect
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
-
     problems = []
-    constructor = inspect.getsource(V1Runner.__init__)
-    missing = [name for name in RUNNER_ATTRIBUTES["v1"] if f"self.{name} =" not in constructor]
-    if missing:
-        problems.append(f"V1 GPUModelRunner.__init__ sets no {missing}")
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+    except ImportError:  # vLLM 0.34 removed Model Runner V1
+        V1Runner = None
+    if V1Runner is not None:
+        constructor = inspect.getsource(V1Runner.__init__)
+        missing = [name for name in RUNNER_ATTRIBUTES["v1"] if f"self.{name} =" not in constructor]
+        if missing:
+            problems.append(f"V1 GPUModelRunner.__init__ sets no {missing}")
     try:
         from vllm.v1.worker.gpu.input_batch import InputBatch
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
@@ -215,8 +218,10 @@ def check_runner_support() -> None:
 
 
 def runner_kind(runner_class: type) -> str:
-    """"v2" for Model Runner V2 (vllm.v1.worker.gpu.*), "v1" for the V1 runner and its CPU subclass."""
-    return "v2" if runner_class.__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+    """"v2" for Model Runner V2 (vllm.v1.worker.gpu.*) and its subclasses (vLLM 0.34's CPU runner), "v1" for the
+    V1 runner and its subclasses (the CPU runner before 0.34)."""
+    v2 = any(base.__module__.startswith("vllm.v1.worker.gpu.") for base in runner_class.__mro__)
+    return "v2" if v2 else "v1"
 
 
 def _language_model(model: torch.nn.Module) -> torch.nn.Module:

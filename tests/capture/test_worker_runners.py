@@ -3,6 +3,7 @@ before any engine starts (`check_runner_support`)."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -56,3 +57,18 @@ def test_v1_batch_is_read_from_the_runner():
     runner.input_ids = SimpleNamespace(gpu=torch.arange(6))
     req_ids, starts, input_ids = StepBatch.follow(runner).take()
     assert (req_ids, starts, input_ids.tolist()) == (["a"], [0, 4], list(range(6)))
+
+
+def test_a_vllm_without_model_runner_v1_needs_only_v2s_fields(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)  # vLLM 0.34: the module is gone
+    check_runner_support()
+
+
+def test_a_subclass_of_model_runner_v2_is_read_as_v2():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    # vLLM 0.34's CPU runner subclasses V2 from its own module; before 0.34 it subclassed V1
+    cpu_runner_034 = type("CPUModelRunner", (V2Runner,), {"__module__": "vllm.v1.worker.cpu.model_runner"})
+    cpu_runner_032 = type("CPUModelRunner", (V1Runner,), {"__module__": "vllm.v1.worker.cpu_model_runner"})
+    assert (runner_kind(cpu_runner_034), runner_kind(cpu_runner_032)) == ("v2", "v1")
