@@ -229,6 +229,17 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
         *extra,
     ]
     seconds = run_logged(cmd, run_dir / "train.log")
+    record = {"trainer": name, "seed": seed, "run_dir": str(run_dir), "command": cmd, "train_wall_s": round(seconds, 1),
+              "train_cpu_s": LAST_CPU_S[0], "train_tokens": tokens, "optimizer_steps": max_steps, "epochs": epochs,
+              "batches_per_epoch": per_epoch, **speculators_outputs(run_dir)}
+    save(run_dir / "bench_train.json", record)
+    clock.phase(f"train {name} seed {seed}", seconds)
+    return record
+
+
+def speculators_outputs(run_dir: Path) -> dict:
+    """What a finished `speculators train` left in `run_dir`: its last checkpoint copied to export/, its own
+    validation figures and resolved config."""
     checkpoints = sorted((p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     export = run_dir / "export"
     export.mkdir(exist_ok=True)
@@ -236,13 +247,9 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
         shutil.copy2(checkpoints[-1] / file, export / file)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = [m["val"] for m in metrics if "val" in m]
-    train_steps = [m for m in metrics if "train" in m]
-    resolved = (run_dir / "checkpoints" / "run.yaml")
-    record = {
-        "trainer": name, "seed": seed, "run_dir": str(run_dir), "command": cmd, "train_wall_s": round(seconds, 1),
-        "train_cpu_s": LAST_CPU_S[0],
-        "train_tokens": tokens, "optimizer_steps": max_steps, "epochs": epochs,
-        "steps_logged": len(train_steps), "batches_per_epoch": per_epoch,
+    resolved = run_dir / "checkpoints" / "run.yaml"
+    return {
+        "steps_logged": sum("train" in m for m in metrics),
         "own_eval": val[-1] if val else None,
         "own_eval_definition": "speculators' own validation (its --train-data-ratio split = our eval split), last "
                                "epoch: full_acc_k = steps 0..k all correct (teacher forced), cond_acc_k = step k "
@@ -250,9 +257,6 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
         "resolved_config": resolved.read_text() if resolved.exists() else None,
         "checkpoint": str(checkpoints[-1]), "export": str(export), "export_speculators": str(export),
     }
-    save(run_dir / "bench_train.json", record)
-    clock.phase(f"train {name} seed {seed}", seconds)
-    return record
 
 
 def evaluated(record: dict, rows, config, ks: list[int], force: bool = False, device: str = "cpu") -> dict:
@@ -371,7 +375,7 @@ def identical_outputs(records: list[dict], ks: list[int]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- main
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_quality"))
@@ -390,36 +394,36 @@ def main() -> None:
     parser.add_argument("--variant-ks", type=int, nargs="*", help="k values the ablations are served at (default: --ks)")
     parser.add_argument("--train-only", action="store_true", help="stop after the trainings (no eval, vLLM, report)")
     parser.add_argument("--force-train", action="store_true", help="retrain and remeasure everything")
-    args = parser.parse_args()
-    os.chdir(ROOT)
-    if len(args.seeds) < 2:
-        print("note: fewer than 2 seeds gives no spread", file=sys.stderr)
+    return parser.parse_args()
 
+
+def work_folder(args: argparse.Namespace):
+    """The run config of the shared stages, in one work folder per content of the sections stages 01-03 read (an
+    edited config never meets stale stage outputs); sets args.budget and args.run_dir."""
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.stage_io import fingerprint
 
-    clock = Clock()
-    # one work folder per content of the sections stages 01-03 read: an edited config never meets stale stage
-    # outputs; within it each draft's folder is named by what it depends on (see train_ours, train_speculators)
     args.budget = [] if args.max_steps == "config" else [f"train.max_steps={int(args.max_steps)}"]
     base = load_config(args.config, args.budget)
     args.run_dir = args.run_dir / fingerprint({s: base.section(s) for s in SHARED_SECTIONS})[:10]
-    shared = args.run_dir / "shared"
     max_prompts = "null" if args.max_prompts == "all" else int(args.max_prompts)
-    config = load_config(args.config, [f"run_dir={shared}", f"validate.max_prompts={max_prompts}",
+    config = load_config(args.config, [f"run_dir={args.run_dir / 'shared'}", f"validate.max_prompts={max_prompts}",
                                        f"validate.max_tokens={args.max_tokens}", *args.budget])
     if not (args.run_dir / "config.yaml").exists():  # the config this work folder's stages ran with
         import yaml
 
-        dumped = base.model_dump(mode="json", by_alias=True)
         args.run_dir.mkdir(parents=True, exist_ok=True)
-        (args.run_dir / "config.yaml").write_text(yaml.safe_dump(dumped, sort_keys=False))
-    clock.say(f"shared stages 01-03 in {shared}")
-    stage_seconds = shared_stages(args, clock, shared)
+        (args.run_dir / "config.yaml").write_text(yaml.safe_dump(base.model_dump(mode="json", by_alias=True),
+                                                                 sort_keys=False))
+    return config
 
+
+def train_all(args: argparse.Namespace, clock: Clock, shared: Path, config) -> list[dict]:
+    """Every draft of every seed (within a draft's folder, named by what it depends on: train_ours,
+    train_speculators); speculators' drafts get the training tokens of ours at the same seed."""
     records = []
     for seed in args.seeds:
-        budget = None  # the training tokens of ours at this seed: speculators' runs get as many
+        budget = None
         drafts = [(name, trainer, layout, extra) for name, (trainer, layout, extra) in DRAFTS.items()]
         drafts += [(name, trainer, DRAFTS[trainer][1], extra) for name, (trainer, extra) in ABLATIONS.items()
                    if name in args.variants and seed in (args.variant_seeds or args.seeds)]
@@ -430,19 +434,11 @@ def main() -> None:
             else:
                 record = train_speculators(args, clock, shared, seed, budget, config, name, extra)
             records.append(record | {"trainer_kind": trainer, "layout": layout})
-    if args.train_only:
-        clock.say("--train-only: trainings done")
-        return
-    shared_eval(args, clock, shared, records, config)
+    return records
 
-    from eagle3_pipeline.validate.stage import eval_prompts  # 06's prompts: 01's eval split, first max_prompts
 
-    prompts = eval_prompts(config)
-    for record in records:
-        ks = args.ks if record["trainer"] in MAIN else (args.variant_ks or args.ks)
-        record["serve"] = {str(k): measure(args, clock, record, k, config, prompts) for k in ks}
-
-    results = summarize(records, args.ks, config.train.ttt_steps)
+def write_report(args: argparse.Namespace, clock: Clock, config, records: list[dict], prompts: list,
+                 stage_seconds: dict) -> None:
     clock.phases["total"] = round(time.perf_counter() - clock.start, 1)
     report = {
         "command": "HF_HUB_OFFLINE=1 .venv/bin/python -m bench.quality " + " ".join(sys.argv[1:]),
@@ -454,7 +450,7 @@ def main() -> None:
                     "load_max": max(clock.load_averages, default=0.0), "load_at_phase_ends": clock.load_averages},
         "work_s": work_seconds(stage_seconds, records, clock.phases.get("shared teacher-forced eval", 0.0)),
         "draft_shape": config.section("draft"),
-        "results": results,
+        "results": summarize(records, args.ks, config.train.ttt_steps),
         "identical_greedy_outputs": identical_outputs(records, args.ks),
         "runs": [{k: v for k, v in r.items() if k != "serve"} | {"serve": {
             key: {f: x for f, x in run.items() if f != "outputs"} for key, run in r["serve"].items()}} for r in records],
@@ -464,12 +460,37 @@ def main() -> None:
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     if previous.get("run_dir") != report["run_dir"]:  # another config's report: its invocations are not this one's
         previous = {}
-    invocations = previous.get("invocations") or ([{"command": previous["command"], "wall_s": previous["wall_time_s"]["total"]}]
-                                                  if "wall_time_s" in previous else [])
+    invocations = previous.get("invocations") or (
+        [{"command": previous["command"], "wall_s": previous["wall_time_s"]["total"]}] if "wall_time_s" in previous else [])
     report["invocations"] = invocations + [{"command": report["command"], "wall_s": clock.phases["total"]}]
     save(args.out, report)
     print(render("quality", args.out))
     clock.say(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+
+
+def main() -> None:
+    args = parse_args()
+    os.chdir(ROOT)
+    if len(args.seeds) < 2:
+        print("note: fewer than 2 seeds gives no spread", file=sys.stderr)
+    clock = Clock()
+    config = work_folder(args)
+    shared = args.run_dir / "shared"
+    clock.say(f"shared stages 01-03 in {shared}")
+    stage_seconds = shared_stages(args, clock, shared)
+    records = train_all(args, clock, shared, config)
+    if args.train_only:
+        clock.say("--train-only: trainings done")
+        return
+    shared_eval(args, clock, shared, records, config)
+
+    from eagle3_pipeline.validate.stage import eval_prompts  # 06's prompts: 01's eval split, first max_prompts
+
+    prompts = eval_prompts(config)
+    for record in records:
+        ks = args.ks if record["trainer"] in MAIN else (args.variant_ks or args.ks)
+        record["serve"] = {str(k): measure(args, clock, record, k, config, prompts) for k in ks}
+    write_report(args, clock, config, records, prompts, stage_seconds)
 
 
 NOTES: list[str] = [

@@ -89,80 +89,105 @@ def benchmark_table(report: dict) -> list[str]:
     return lines
 
 
-def quality_markdown(report: dict) -> str:
-    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
-    res, ks = report["results"], report["ks"]
-    ttt = report["ttt_steps"]
-    fmt = lambda s, d=3: f"{s['mean']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
-    lines = [
+def spread_figure(spread: dict, decimals: int = 3) -> str:
+    """A harness.spread as `mean [min, max]`."""
+    return f"{spread['mean']:.{decimals}f} [{spread['min']:.{decimals}f}, {spread['max']:.{decimals}f}]"
+
+
+def main_trainers(report: dict) -> list[str]:
+    """The bench's four drafts (bench/quality.py, DRAFTS) that have results, in the results' order."""
+    return [trainer for trainer in report["results"] if trainer in report["main"]]
+
+
+def quality_head(report: dict) -> list[str]:
+    main_drafts, machine = report["main"], report["machine"]  # main: the bench's four drafts (quality.py, DRAFTS)
+    invocations = "; ".join(f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min"
+                            for i in report.get("invocations", []))
+    return [
         "# Draft quality: our trainer vs speculators 0.9.0's `speculators train`, each in both layouts",
         "",
         f"Command: `{report['command']}`  ",
         f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
         f"its phases: stages 01-03, {len(main_drafts) * len(report['seeds'])} trainings, "
         f"{len(report['ks']) * len(report['seeds']) * len(main_drafts)} vLLM engine runs, "
-        f"shared eval; {report['machine']['cpus']} CPU cores, 1-minute load average {report['machine']['load_min']:.1f}"
-        f"-{report['machine']['load_max']:.1f} at the ends of its phases); this invocation "
-        f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: " + "; ".join(
-            f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min" for i in report.get("invocations", [])) + "); target " f"{report['target']}; seeds "
-        f"{report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, greedy, "
-        "vLLM acceptance counters (06's `serve`). Figures: mean [min, max] over the seeds.",
+        f"shared eval; {machine['cpus']} CPU cores, 1-minute load average {machine['load_min']:.1f}"
+        f"-{machine['load_max']:.1f} at the ends of its phases); this invocation "
+        f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: {invocations}); target {report['target']}; "
+        f"seeds {report['seeds']}; {report['eval_prompts']} held-out eval prompts x {report['max_tokens']} tokens, "
+        "greedy, vLLM acceptance counters (06's `serve`). Figures: mean [min, max] over the seeds.",
         "",
         "Mean acceptance length per held-out eval source (served turns in brackets; MT-Bench both turns, the "
         "second after the target's own first answer; HumanEval's first 16 problems, never trained on), vLLM's "
         "counters beside 04's simulation (bench/draft_eval.py replaying greedy chain drafting on the same answers):",
         "",
         *benchmark_table(report),
-        "",
-        "| trainer | train wall s | train tokens | steps | " + " | ".join(
-            f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
-        "|---|---|---|---|" + "---|---|" * len(ks),
     ]
-    for trainer, e in res.items():
-        if trainer not in main_drafts:
-            continue
-        cells = [trainer, fmt(e["train_wall_s"], 0), f"{e['train_tokens']['mean']:.0f}", f"{e['optimizer_steps']['mean']:.0f}"]
+
+
+def quality_served(report: dict) -> list[str]:
+    ks = report["ks"]
+    lines = ["", "| trainer | train wall s | train tokens | steps | " + " | ".join(
+                 f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
+             "|---|---|---|---|" + "---|---|" * len(ks)]
+    for trainer in main_trainers(report):
+        e = report["results"][trainer]
+        cells = [trainer, spread_figure(e["train_wall_s"], 0), f"{e['train_tokens']['mean']:.0f}",
+                 f"{e['optimizer_steps']['mean']:.0f}"]
         for k in ks:
-            kk = e["k"][str(k)]
-            cells.append(fmt(kk["mean_acceptance_length_spread"]))
-            cells.append(" / ".join(f"{p:.3f}" for p in kk["acceptance_per_position"]))
+            served = e["k"][str(k)]
+            cells += [spread_figure(served["mean_acceptance_length_spread"]),
+                      " / ".join(f"{p:.3f}" for p in served["acceptance_per_position"])]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Teacher-forced eval on our eval split, one shared evaluator for both (bench/draft_eval.py): "
-        "acc_k = step-k top-1 agreement with the verifier; chain_k = steps 0..k all agree.",
-        "",
-        "| trainer | " + " | ".join(f"acc_{k}" for k in range(ttt)) + " | " + " | ".join(
-            f"chain_{k}" for k in range(ttt)) + " | " + " | ".join(f"KL_{k}" for k in range(ttt)) + " |",
-        "|---|" + "---|" * (3 * ttt),
-    ]
-    for trainer, e in res.items():
-        if trainer not in main_drafts:
-            continue
-        se = e["shared_eval"]
-        cells = [trainer] + [fmt(se[f"acc_{k}"]) for k in range(ttt)] + [fmt(se[f"chain_acc_{k}"]) for k in range(ttt)] \
-            + [fmt(se[f"loss_{k}"]) for k in range(ttt)]
+    return lines
+
+
+def quality_teacher_forced(report: dict) -> list[str]:
+    ttt = report["ttt_steps"]
+    lines = ["", "Teacher-forced eval on our eval split, one shared evaluator for both (bench/draft_eval.py): "
+             "acc_k = step-k top-1 agreement with the verifier; chain_k = steps 0..k all agree.", "",
+             "| trainer | " + " | ".join(f"acc_{k}" for k in range(ttt)) + " | " + " | ".join(
+                 f"chain_{k}" for k in range(ttt)) + " | " + " | ".join(f"KL_{k}" for k in range(ttt)) + " |",
+             "|---|" + "---|" * (3 * ttt)]
+    for trainer in main_trainers(report):
+        shared = report["results"][trainer]["shared_eval"]
+        cells = [trainer] + [spread_figure(shared[f"{name}_{k}"]) for name in ("acc", "chain_acc", "loss")
+                             for k in range(ttt)]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def quality_ablations(report: dict) -> list[str]:
+    res, ks, main_drafts = report["results"], report["ks"], report["main"]
     ablations = [t for t in res if t not in main_drafts]
-    if ablations:
-        lines += ["", "Ablations (one setting of one trainer moved to the other's choice; same data, budget, shape):", "",
-                  "| draft | seeds | train wall s | chain_0 | chain_1 | chain_2 | " + " | ".join(
-                      f"mean acc. length k={k}" for k in ks) + " |", "|---|---|---|---|---|---|" + "---|" * len(ks)]
-        for trainer in list(main_drafts) + ablations:
-            e = res[trainer]
-            cells = [trainer, ",".join(map(str, e["seeds"])), fmt(e["train_wall_s"], 0)] + [
-                fmt(e["shared_eval"][f"chain_acc_{k}"]) for k in range(3)] + [
-                fmt(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]
-            lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Each trainer's own eval metric (its definition differs; see quality.json):", ""]
-    for trainer, e in res.items():
-        if trainer not in main_drafts:
-            continue
+    if not ablations:
+        return []
+    lines = ["", "Ablations (one setting of one trainer moved to the other's choice; same data, budget, shape):", "",
+             "| draft | seeds | train wall s | chain_0 | chain_1 | chain_2 | " + " | ".join(
+                 f"mean acc. length k={k}" for k in ks) + " |", "|---|---|---|---|---|---|" + "---|" * len(ks)]
+    for trainer in list(main_drafts) + ablations:
+        e = res[trainer]
+        cells = [trainer, ",".join(map(str, e["seeds"])), spread_figure(e["train_wall_s"], 0)] + [
+            spread_figure(e["shared_eval"][f"chain_acc_{k}"]) for k in range(3)] + [
+            spread_figure(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def quality_own_evals(report: dict) -> list[str]:
+    lines = ["", "Each trainer's own eval metric (its definition differs; see quality.json):", ""]
+    for trainer in main_trainers(report):
+        e = report["results"][trainer]
         own = e["own_eval"][0] or {}
         keys = [k for k in own if k.startswith(("acc_", "full_acc_", "cond_acc_"))]
         lines.append(f"- {trainer}: " + ", ".join(
             f"{key} {statistics.fmean([(o or {}).get(key, float('nan')) for o in e['own_eval']]):.3f}" for key in keys))
-    lines += ["", "## Measured differences", ""] + comparison_lines(report)
+    return lines
+
+
+def quality_markdown(report: dict) -> str:
+    lines = [*quality_head(report), *quality_served(report), *quality_teacher_forced(report),
+             *quality_ablations(report), *quality_own_evals(report),
+             "", "## Measured differences", "", *comparison_lines(report)]
     if report.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -220,110 +245,164 @@ def sources_of(report: dict) -> list[str]:
     return []
 
 
-def quality_gpu_markdown(report: dict) -> str:
-    served_k = report["k"]  # the k the bench serves and simulates at
-    drafts = {n: r for n, r in report["drafts"].items() if "shared_eval" in r}
-    sources = sources_of(report)
-    largest = max(report["curve_steps"])
-    sim = lambda r, s=None: r["shared_eval"][metric_key(served_k, source=s) if s else metric_key(served_k)]  # noqa: E731
-    mean_of_sources = lambda r: statistics.fmean(sim(r, s) for s in sources)  # noqa: E731
-    header = ["draft", "train tokens", "train wall s"] + sources + ["mean of benchmarks", "all prompts"]
-    lines = [
-        "# Draft quality at scale on one H200: our trainer against speculators 0.9.0's",
-        "",
-        "Commands, in order (each rerun skips the work an earlier one finished): "
-        + "; ".join(f"`{command}`" for command in report["commands"]) + " (bench/quality_gpu.yaml). Target SmolLM2-135M-Instruct (stand-in), every "
-        f"training answer regenerated by it; acceptance length (AL) at k={served_k}, simulated by one shared evaluator "
-        "(bench/draft_eval.py: 04's greedy chain replay on the held-out eval answers) unless marked vLLM.",
-        "",
-    ]
-    if report.get("data"):
-        data = report["data"]
-        lines += [f"Data: {data['train_conversations']} training conversations, {data['train_tokens']} tokens "
-                  f"({data['loss_tokens']} loss-masked); 01-03 took "
-                  + ", ".join(f"{k[:2]} {v:.0f} s" for k, v in data["stage_seconds"].items())
-                  + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s" if data.get("generation") else "")
-                  + ".", ""]
-    curve = [steps for steps in sorted(report["curve_steps"]) if f"ours-{steps}-s0" in drafts]
-    if len(curve) > 1:  # a run of the largest point alone has no curve to show
-        lines += ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
-                  "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+class GpuReport:
+    """bench/quality_gpu.py's report, one method per section; each returns its lines (none when it has nothing)."""
+
+    def __init__(self, report: dict):
+        self.report, self.served_k = report, report["k"]  # the k the bench serves and simulates at
+        self.drafts = {n: r for n, r in report["drafts"].items() if "shared_eval" in r}
+        self.sources = sources_of(report)
+        self.largest = max(report["curve_steps"])
+        self.seeds = {}  # trainer -> its drafts at the largest point, one per seed
+        for trainer in ("ours", "speculators"):
+            runs = [self.drafts[n] for n in (f"{trainer}-{self.largest}-s{s}" for s in range(3)) if n in self.drafts]
+            if runs:
+                self.seeds[trainer] = runs
+
+    def sim(self, record: dict, source: str | None = None) -> float:
+        key = metric_key(self.served_k, source=source) if source else metric_key(self.served_k)
+        return record["shared_eval"][key]
+
+    def mean_of_sources(self, record: dict) -> float:
+        return statistics.fmean(self.sim(record, s) for s in self.sources)
+
+    def figures(self, runs: list[dict]) -> list[str]:
+        """Per source, the mean of benchmarks and all prompts: each a spread over `runs`."""
+        return ([spread_text([self.sim(r, s) for r in runs]) for s in self.sources]
+                + [spread_text([self.mean_of_sources(r) for r in runs]), spread_text([self.sim(r) for r in runs])])
+
+    def head(self) -> list[str]:
+        report = self.report
+        lines = [
+            "# Draft quality at scale on one H200: our trainer against speculators 0.9.0's",
+            "",
+            "Commands, in order (each rerun skips the work an earlier one finished): "
+            + "; ".join(f"`{command}`" for command in report["commands"]) + " (bench/quality_gpu.yaml). Target "
+            f"SmolLM2-135M-Instruct (stand-in), every training answer regenerated by it; acceptance length (AL) at "
+            f"k={self.served_k}, simulated by one shared evaluator (bench/draft_eval.py: 04's greedy chain replay on "
+            "the held-out eval answers) unless marked vLLM.",
+            "",
+        ]
+        if report.get("data"):
+            data = report["data"]
+            lines += [f"Data: {data['train_conversations']} training conversations, {data['train_tokens']} tokens "
+                      f"({data['loss_tokens']} loss-masked); 01-03 took "
+                      + ", ".join(f"{k[:2]} {v:.0f} s" for k, v in data["stage_seconds"].items())
+                      + (f"; 01 generated {data['generation']['tokens_per_s']:.0f} tokens/s"
+                         if data.get("generation") else "") + ".", ""]
+        return lines
+
+    def curve(self) -> list[str]:
+        curve = [steps for steps in sorted(self.report["curve_steps"]) if f"ours-{steps}-s0" in self.drafts]
+        if len(curve) < 2:  # a run of the largest point alone has no curve to show
+            return []
+        header = ["draft", "train tokens", "train wall s"] + self.sources + ["mean of benchmarks", "all prompts"]
+        lines = ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
+                 "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         for trainer in ("ours", "speculators"):
             for steps in curve:
-                record = drafts.get(f"{trainer}-{steps}-s0")
+                record = self.drafts.get(f"{trainer}-{steps}-s0")
                 if record:
-                    lines.append("| " + " | ".join([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
-                                                     f"{record['train_wall_s']:.0f}"]
-                                                    + [f"{sim(record, s):.3f}" for s in sources]
-                                                    + [f"{mean_of_sources(record):.3f}", f"{sim(record):.3f}"]) + " |")
-    lines += ["", f"## Three seeds at the largest point ({largest} steps): mean [min, max]", "",
-              "| " + " | ".join(["trainer"] + sources + ["mean of benchmarks", "all prompts"]) + " |",
-              "|---" * (len(sources) + 3) + "|"]
-    seeds = {}
-    for trainer in ("ours", "speculators"):
-        runs = [drafts[n] for n in (f"{trainer}-{largest}-s{s}" for s in range(3)) if n in drafts]
-        if runs:
-            seeds[trainer] = runs
-            lines.append("| " + " | ".join([f"{trainer} ({len(runs)} seeds)"] + [spread_text([sim(r, s) for r in runs]) for s in sources]
-                                             + [spread_text([mean_of_sources(r) for r in runs]), spread_text([sim(r) for r in runs])]) + " |")
-    if len(seeds) == 2:
-        lines += ["", "Targets (ours in the reference layout at least 3% above speculators' defaults, every seed "
-                  "above their mean):", ""]
-        for scope, pick in [("MT-Bench", lambda r: sim(r, "mtbench")), ("mean of benchmarks", mean_of_sources)]:
-            if scope == "MT-Bench" and "mtbench" not in sources:
+                    lines.append("| " + " | ".join(
+                        [f"{trainer} ({steps} steps)", str(record["train_tokens"]), f"{record['train_wall_s']:.0f}"]
+                        + [f"{self.sim(record, s):.3f}" for s in self.sources]
+                        + [f"{self.mean_of_sources(record):.3f}", f"{self.sim(record):.3f}"]) + " |")
+        return lines
+
+    def three_seeds(self) -> list[str]:
+        lines = ["", f"## Three seeds at the largest point ({self.largest} steps): mean [min, max]", "",
+                 "| " + " | ".join(["trainer"] + self.sources + ["mean of benchmarks", "all prompts"]) + " |",
+                 "|---" * (len(self.sources) + 3) + "|"]
+        for trainer, runs in self.seeds.items():
+            lines.append("| " + " | ".join([f"{trainer} ({len(runs)} seeds)"] + self.figures(runs)) + " |")
+        return lines
+
+    def targets(self) -> list[str]:
+        if len(self.seeds) < 2:
+            return []
+        lines = ["", "Targets (ours in the reference layout at least 3% above speculators' defaults, every seed "
+                 "above their mean):", ""]
+        for scope, pick in [("MT-Bench", lambda r: self.sim(r, "mtbench")), ("mean of benchmarks", self.mean_of_sources)]:
+            if scope == "MT-Bench" and "mtbench" not in self.sources:
                 continue
-            ours = [pick(r) for r in seeds["ours"]]
-            theirs = statistics.fmean(pick(r) for r in seeds["speculators"])
+            ours = [pick(r) for r in self.seeds["ours"]]
+            theirs = statistics.fmean(pick(r) for r in self.seeds["speculators"])
             ratio = statistics.fmean(ours) / theirs - 1
             lines.append(f"- {scope}: ours {statistics.fmean(ours):.3f} vs speculators {theirs:.3f} "
                          f"({100 * ratio:+.1f}%; target +3%: {'met' if ratio >= 0.03 else 'missed'}; every seed above "
                          f"their mean: {'yes' if min(ours) > theirs else 'no'})")
-    levers: dict[str, list[dict]] = {}  # lever -> its drafts, one per seed
-    for name, record in drafts.items():
-        if not name.startswith(("ours-", "speculators-")):
-            levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
-    levers = {lever: sorted(runs, key=lambda r: r["seed"]) for lever, runs in levers.items()}
-    if levers:
-        lines += ["", f"## Levers at {largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
-                  "| lever | seeds | overrides | " + " | ".join(sources) + " | mean of benchmarks | vs ours, same seeds "
-                  "| vs speculators' mean (every seed above it) |",
-                  "|---|---|---|" + "---|" * (len(sources) + 3)]
-        theirs = (statistics.fmean(map(mean_of_sources, seeds["speculators"])) if "speculators" in seeds else None)
-        for lever, runs in sorted(levers.items(), key=lambda item: -statistics.fmean(map(mean_of_sources, item[1]))):
-            base = [drafts[f"ours-{largest}-s{r['seed']}"] for r in runs if f"ours-{largest}-s{r['seed']}" in drafts]
-            versus = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / statistics.fmean(map(mean_of_sources, base)) - 1):+.1f}%"
-                      if len(base) == len(runs) else "-")
-            above = (f"{100 * (statistics.fmean(map(mean_of_sources, runs)) / theirs - 1):+.1f}% "
-                     f"({'yes' if min(map(mean_of_sources, runs)) > theirs else 'no'})" if theirs else "-")
-            lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs), "`" + " ".join(runs[0]["extra"]) + "`"]
-                                             + [spread_text([sim(r, s) for r in runs]) for s in sources]
-                                             + [spread_text([mean_of_sources(r) for r in runs]), versus, above]) + " |")
-    if report.get("served"):
-        lines += ["", f"## vLLM's own counters (06's serve, k={served_k}) against the simulation", "",
-                  "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
-                  "AL / simulated (docs/06_validate.md: which is which).", "",
-                  "| draft | " + " | ".join(sources) + " | all prompts |", "|---|" + "---|" * (len(sources) + 1)]
-        both = lambda run, s=None: "{:.3f} / {} / {:.3f}".format(  # noqa: E731
-            (run["by_source"][s] if s else run)["mean_acceptance_length"],
-            f"{value:.3f}" if (value := (run["by_source"][s] if s else run).get("mean_request_acceptance_length"))
-            is not None else "-", sim(report["drafts"][run["trainer"]], s))
-        for name, run in report["served"].items():
+        return lines
+
+    def levers(self) -> list[str]:
+        levers: dict[str, list[dict]] = {}  # lever -> its drafts, one per seed
+        for name, record in self.drafts.items():
+            if not name.startswith(("ours-", "speculators-")):
+                levers.setdefault(name.rsplit("-", 2)[0], []).append(record)
+        if not levers:
+            return []
+        mean = lambda runs: statistics.fmean(map(self.mean_of_sources, runs))  # noqa: E731
+        lines = ["", f"## Levers at {self.largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
+                 "| lever | seeds | overrides | " + " | ".join(self.sources) + " | mean of benchmarks | vs ours, same "
+                 "seeds | vs speculators' mean (every seed above it) |",
+                 "|---|---|---|" + "---|" * (len(self.sources) + 3)]
+        theirs = mean(self.seeds["speculators"]) if "speculators" in self.seeds else None
+        for lever, runs in sorted(levers.items(), key=lambda item: -mean(item[1])):
+            runs = sorted(runs, key=lambda r: r["seed"])
+            base = [self.drafts[f"ours-{self.largest}-s{r['seed']}"] for r in runs
+                    if f"ours-{self.largest}-s{r['seed']}" in self.drafts]
+            versus = f"{100 * (mean(runs) / mean(base) - 1):+.1f}%" if len(base) == len(runs) else "-"
+            above = (f"{100 * (mean(runs) / theirs - 1):+.1f}% "
+                     f"({'yes' if min(map(self.mean_of_sources, runs)) > theirs else 'no'})" if theirs else "-")
+            lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs),
+                                             "`" + " ".join(runs[0]["extra"]) + "`"]
+                                            + self.figures(runs)[:-1] + [versus, above]) + " |")
+        return lines
+
+    def served(self) -> list[str]:
+        if not self.report.get("served"):
+            return []
+        lines = ["", f"## vLLM's own counters (06's serve, k={self.served_k}) against the simulation", "",
+                 "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
+                 "AL / simulated (docs/06_validate.md: which is which).", "",
+                 "| draft | " + " | ".join(self.sources) + " | all prompts |", "|---|" + "---|" * (len(self.sources) + 1)]
+
+        def cell(run: dict, source: str | None = None) -> str:
+            counted = run["by_source"][source] if source else run
+            per_request = counted.get("mean_request_acceptance_length")
+            return (f"{counted['mean_acceptance_length']:.3f} / "
+                    f"{f'{per_request:.3f}' if per_request is not None else '-'} / "
+                    f"{self.sim(self.report['drafts'][run['trainer']], source):.3f}")
+
+        for name, run in self.report["served"].items():
             run = dict(run, trainer=name)
-            cells = [both(run, s) if s in run["by_source"] else "-" for s in sources]
-            lines.append("| " + " | ".join([name, *cells, both(run)]) + " |")
-    if report.get("regeneration"):
-        lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's concurrency)", "",
-                  "| run | generated tokens | tokens/s | mean acceptance length |", "|---|---|---|---|"]
-        for name, run in report["regeneration"].items():
-            generation = run["generation"] or {}
-            speculative = generation.get("speculative") or {}
-            lines.append(f"| {name} | {generation.get('tokens_generated')} | {generation.get('tokens_per_s')} | "
-                         f"{speculative.get('mean_acceptance_length', '-')} |")
-    if report.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
-    failed = {n: r["error"].splitlines()[-1][:200] for n, r in report["drafts"].items() if "error" in r}
-    if failed:
-        lines += ["", "## Failed", ""] + [f"- {n}: {e}" for n, e in failed.items()]
+            cells = [cell(run, s) if s in run["by_source"] else "-" for s in self.sources]
+            lines.append("| " + " | ".join([name, *cells, cell(run)]) + " |")
+        return lines
+
+    def tail(self) -> list[str]:
+        """Regeneration with the draft, the notes, the drafts that failed."""
+        report, lines = self.report, []
+        if report.get("regeneration"):
+            lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's "
+                      "concurrency)", "", "| run | generated tokens | tokens/s | mean acceptance length |",
+                      "|---|---|---|---|"]
+            for name, run in report["regeneration"].items():
+                generation = run["generation"] or {}
+                speculative = generation.get("speculative") or {}
+                lines.append(f"| {name} | {generation.get('tokens_generated')} | {generation.get('tokens_per_s')} | "
+                             f"{speculative.get('mean_acceptance_length', '-')} |")
+        if report.get("notes"):
+            lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
+        failed = {n: r["error"].splitlines()[-1][:200] for n, r in report["drafts"].items() if "error" in r}
+        if failed:
+            lines += ["", "## Failed", ""] + [f"- {n}: {e}" for n, e in failed.items()]
+        return lines
+
+
+def quality_gpu_markdown(report: dict) -> str:
+    sections = GpuReport(report)
+    lines = [*sections.head(), *sections.curve(), *sections.three_seeds(), *sections.targets(), *sections.levers(),
+             *sections.served(), *sections.tail()]
     return "\n".join(lines) + "\n"
 
 

@@ -96,7 +96,7 @@ TOLERANCE = {"no": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: demo kimi (GPU), tiny (CPU)")
     parser.add_argument("--processes", nargs="+", type=int, help="process counts besides 1 (default: the GPU "
@@ -108,6 +108,11 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", help="only these runs (one, multi_P, chain_P_1_P, one_again, one_half)")
     parser.add_argument("--reference", type=Path, help="an earlier result whose runs are compared against here")
     parser.add_argument("--keep", action="store_true", help="keep --work (default: deleted at the end)")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
 
     started = time.monotonic()

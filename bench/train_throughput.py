@@ -48,7 +48,7 @@ IMPORTED_NOT_CALLED = ("datasets", "openai")  # speculators.train.data imports t
 CHUNK_ROWS = 1024  # train.loss_chunk_rows measured when the config ships the plain loss
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny_kimi draft, short row, CPU friendly")
     parser.add_argument("--packed-length", type=int, help="rows per packed sequence (default 4096; tiny 256)")
@@ -64,7 +64,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON result (default bench/results/train_throughput[-tiny].json)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 2 steps of each model (torch profiler): top kernels and their share")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.render:
         write_markdown(json.loads(args.render.read_text()), args.render.with_suffix(".md"))
         return
