@@ -1,7 +1,7 @@
 """Every stage: the run config's sections, one class per YAML section (config.py's RunConfig holds them).
 
-Each is a `Section`: frozen, unknown keys are errors. A section's own checks raise ValueError, which `config.parse_config` reports as a
-ConfigError naming the key path.
+Each is a `Section`: frozen, unknown keys are errors. A section's own checks raise ValueError, which
+`config.parse_config` reports as a ConfigError naming the key path.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
-
 
 STAND_IN_NAMES = ("smollm2-135m-instruct", "tiny-kimi-k25", "tiny-kimi-k25-tiktoken", "tiny-kimi-k25-learned")
 # BFCL v4's single-turn categories, all with functions in Python syntax (the multi-turn, memory and web-search ones

@@ -100,9 +100,17 @@ class Divergence:
     # shape by itself, so the draft did not change it
     alone_departs_at: int | None = None
 
-    @property
-    def batch_variant(self) -> bool:
-        return self.alone_departs_at == self.position
+    def verdict(self, max_tie_margin: float) -> str:
+        """NEAR_TIE (the target's margin within validate.max_tie_margin), BATCH_VARIANCE (the target alone flips
+        this very token under another batch shape) or CHANGED_BY_DRAFT, the one that fails 06."""
+        if self.margin_exact and abs(self.margin) <= max_tie_margin:
+            return NEAR_TIE
+        if self.alone_departs_at == self.position:
+            return BATCH_VARIANCE
+        return CHANGED_BY_DRAFT
+
+
+NEAR_TIE, BATCH_VARIANCE, CHANGED_BY_DRAFT = "bf16 near-tie", "the target's own batch variance", "changed by the draft"
 
 
 @dataclass

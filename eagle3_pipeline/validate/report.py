@@ -86,20 +86,12 @@ def divergence_table(report: dict) -> str:
             margin = f"{d['margin']:.3f}" if d["margin_exact"] else f">= {d['margin']:.3f}"
             rows.append(f"| {run['num_speculative_tokens']} | {d['prompt']} | {d['source']} | {d['position']} | "
                         f"{d['without_draft']} | {d['with_draft']} | {margin} | "
-                        f"{alone_cell(d.get('alone_departs_at'))} | {divergence_verdict(d, report['max_tie_margin'])} |")
+                        f"{alone_cell(d['alone_departs_at'])} | {d['verdict']} |")
     return "\n".join(rows) if len(rows) > 2 else "none: every greedy output is the same with and without the draft"
 
 
 def alone_cell(position: int | None) -> str:
     return "-" if position is None else str(position)
-
-
-def divergence_verdict(divergence: dict, max_tie_margin: float) -> str:
-    if divergence["margin_exact"] and abs(divergence["margin"]) <= max_tie_margin:
-        return "bf16 near-tie"
-    if divergence.get("alone_departs_at") == divergence["position"]:
-        return "the target's own batch variance"
-    return "changed by the draft"
 
 
 def write_reports(folder: Path, report: dict) -> None:

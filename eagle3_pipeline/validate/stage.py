@@ -29,7 +29,14 @@ from eagle3_pipeline.export.format import Spec, read_spec, reference_spec, spec_
 from eagle3_pipeline.export.serving import serving_command
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest
 from eagle3_pipeline.target import target_path
-from eagle3_pipeline.validate.acceptance import MAX_LOGPROBS, EngineRun, EvalPrompt, RequestCounted, serve
+from eagle3_pipeline.validate.acceptance import (
+    CHANGED_BY_DRAFT,
+    MAX_LOGPROBS,
+    EngineRun,
+    EvalPrompt,
+    RequestCounted,
+    serve,
+)
 from eagle3_pipeline.validate.compare import BREAKING, Difference, ordered, static_differences
 from eagle3_pipeline.validate.report import difference_table, print_summary, write_reports
 from eagle3_pipeline.validate.speed import speed_report
@@ -155,7 +162,7 @@ def dynamic_problems(runs: list[EngineRun], step0: float | None, validate: Valid
                             f"< {ratio} x eval step-0 accuracy {step0:.3f} (check aux layer ids and their convention, "
                             "norm_before_residual, rope, d2t)")
         for d in run.divergences:
-            if d.margin_exact and abs(d.margin) <= validate.max_tie_margin or d.batch_variant:
+            if d.verdict(validate.max_tie_margin) != CHANGED_BY_DRAFT:
                 continue  # a bf16 near-tie, or the target flips it alone under another batch shape: reported
             margin = (f"{d.margin:.3f} > validate.max_tie_margin {validate.max_tie_margin}" if d.margin_exact else
                       f"at least {d.margin:.3f} (a token outside its top {MAX_LOGPROBS})")
@@ -169,7 +176,7 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
                  plain: EngineRun | None, prompts: list[EvalPrompt], eval_metrics: dict, problems: list[str]) -> dict:
     first = runs[0] if runs else None
     simulated = eval_metrics.get("simulated_acceptance") or {}
-    runs_json = [run_json(run, plain, simulated) for run in runs]
+    runs_json = [run_json(run, plain, simulated, config.validate_.max_tie_margin) for run in runs]
     return {
         "export": str(served),
         "verdict": "FAILED" if problems else "PASSED",
@@ -221,7 +228,7 @@ def acceptance_lengths(counted: RequestCounted) -> dict:
     }
 
 
-def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float]) -> dict:
+def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float], max_tie_margin: float) -> dict:
     identical = None
     if plain is not None:
         identical = sum(a == b for a, b in zip(run.outputs, plain.outputs)) / max(len(run.outputs), 1)
@@ -235,7 +242,7 @@ def run_json(run: EngineRun, plain: EngineRun | None, simulated: dict[str, float
         "accepted_per_position": run.counts.accepted_per_position,
         "greedy_identical_fraction": identical,
         # each prompt whose greedy output differs from the one without the draft (acceptance.Divergence)
-        "divergences": [asdict(d) for d in run.divergences],
+        "divergences": [asdict(d) | {"verdict": d.verdict(max_tie_margin)} for d in run.divergences],
         "tokens_per_s": run.batch.tokens_per_s,
         "speedup": speed["eval_batch"]["measured_speedup"],  # tokens/s against the same prompts without the draft
         "speed": speed,  # both phases: tokens/s, latency, step times, predicted speed-up (speed.py)

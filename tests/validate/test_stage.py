@@ -85,13 +85,13 @@ def test_first_difference():
 
 
 def test_the_divergence_table_gives_each_verdict():
+    from dataclasses import asdict
+
     from eagle3_pipeline.validate.report import divergence_table
-    rows = [dict(prompt=1, source="gsm8k", position=4, without_draft=11, with_draft=12, margin=0.25, margin_exact=True,
-                 alone_departs_at=None),
-            dict(prompt=2, source="gsm8k", position=7, without_draft=11, with_draft=12, margin=2.0, margin_exact=True,
-                 alone_departs_at=7),
-            dict(prompt=3, source="gsm8k", position=9, without_draft=11, with_draft=12, margin=2.0, margin_exact=True,
-                 alone_departs_at=5)]
+    divergences = [Divergence(1, "gsm8k", 4, 11, 12, margin=0.25, margin_exact=True),
+                   Divergence(2, "gsm8k", 7, 11, 12, margin=2.0, margin_exact=True, alone_departs_at=7),
+                   Divergence(3, "gsm8k", 9, 11, 12, margin=2.0, margin_exact=True, alone_departs_at=5)]
+    rows = [asdict(d) | {"verdict": d.verdict(0.5)} for d in divergences]
     table = divergence_table({"max_tie_margin": 0.5, "runs": [{"num_speculative_tokens": 3, "divergences": rows}]})
     verdicts = [line.split(" | ")[-2:] for line in table.splitlines()[2:]]
     assert verdicts == [["-", "bf16 near-tie |"], ["7", "the target's own batch variance |"],
