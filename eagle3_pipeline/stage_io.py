@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eagle3_pipeline.config import RunConfig, field_at
 from eagle3_pipeline.config_sections import output_part
@@ -168,6 +168,17 @@ def build_lock(final: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_once(final: Path, built: Callable[[], bool], build: Callable[[Path], None]) -> None:
+    """Unless `built()`, `build(tmp)` a temporary path renamed to `final` when it succeeds; a process building the
+    same `final` at once waits for this one (`build_lock`) and then finds it built."""
+    if built():
+        return
+    with build_lock(final):
+        if not built():
+            with atomic_path(final) as tmp:
+                build(tmp)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

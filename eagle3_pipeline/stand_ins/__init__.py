@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eagle3_pipeline.stage_io import atomic_path, build_lock
+from eagle3_pipeline.stage_io import build_once
 
 # name -> (module with `build(out_dir, **options)`, builder version: bump it when the build's output changes,
 # the options)
@@ -46,15 +46,13 @@ def ensure_stand_in(name: str) -> Path:
     """The folder of stand-in `name`, built first if the cache does not hold it yet."""
     module_name, version, options = BUILDERS[name]
     folder = cache_dir() / "stand_ins" / f"{name}-v{version}"
-    if (folder / "config.json").exists():
-        return folder
-    with build_lock(folder):
-        if (folder / "config.json").exists():  # another process built it while this one waited
-            return folder
+
+    def build(tmp: Path) -> None:
         print(f"building stand-in target {name} -> {folder}")
-        with atomic_path(folder) as tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            importlib.import_module(module_name).build(tmp, **options)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        importlib.import_module(module_name).build(tmp, **options)
+
+    build_once(folder, (folder / "config.json").exists, build)
     return folder
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from eagle3_pipeline.capture import stage as capture
 from eagle3_pipeline.capture.store import SampleStates, write_index, write_shard
 from eagle3_pipeline.config import RunConfig, parse_config
-from eagle3_pipeline.stage_io import atomic_path, build_lock
+from eagle3_pipeline.stage_io import build_once
 from eagle3_pipeline.stand_ins.fabricated_stages import humaneval_samples, write_data_stage, write_states_stage
 from tests.conftest import CONFIGS
 
@@ -141,12 +141,12 @@ def cached_inputs(name: str, model_dir: Path, build_samples) -> tuple[list[dict]
     from eagle3_pipeline.stand_ins import cache_dir
 
     cached = cache_dir() / "test_inputs" / f"{name}.pt"
-    with build_lock(cached):
-        if not cached.exists():
-            samples = build_samples()
-            states = _smollm2_states(model_dir, samples)
-            with atomic_path(cached) as tmp:
-                torch.save({"samples": samples, "states": [vars(s) for s in states]}, tmp)
+    def build(tmp: Path) -> None:
+        samples = build_samples()
+        states = _smollm2_states(model_dir, samples)
+        torch.save({"samples": samples, "states": [vars(s) for s in states]}, tmp)
+
+    build_once(cached, cached.exists, build)
     saved = torch.load(cached, weights_only=False)
     return saved["samples"], [SampleStates(**s) for s in saved["states"]]
 

@@ -17,7 +17,7 @@ import yaml
 
 from eagle3_pipeline.capture.store import SampleStates
 from eagle3_pipeline.config import RunConfig, parse_config
-from eagle3_pipeline.stage_io import MANIFEST, Stage, atomic_path, build_lock, file_sha256, fingerprint
+from eagle3_pipeline.stage_io import MANIFEST, Stage, build_once, file_sha256, fingerprint
 from eagle3_pipeline.stand_ins import cache_dir
 from eagle3_pipeline.stand_ins.fabricated_stages import write_data_stage, write_states_stage
 from eagle3_pipeline.train import loop
@@ -76,10 +76,9 @@ def cached_run(tmp_path: Path, key: str, config_name: str, train: dict, validate
     built = ("01_data", "02_hidden_states", "03_vocab", "04_train")
     stages = fingerprint([Stage(config, name).fingerprint for name in built] + [source_fingerprint()])
     cached = cache_dir() / "test_runs" / f"{key}-{stages}"
-    with build_lock(cached):
-        if not (cached / "04_train" / MANIFEST).exists():
-            with atomic_path(cached) as building:
-                build(stand_in_config(tmp_path / "build", config_name, train, validate, run_dir=building)[0])
+    build_once(cached, (cached / "04_train" / MANIFEST).exists,
+               lambda building: build(stand_in_config(tmp_path / "build", config_name, train, validate,
+                                                      run_dir=building)[0]))
     shutil.copytree(cached, tmp_path / "run")
     return stand_in_config(tmp_path, config_name, train, validate)
 
