@@ -14,6 +14,7 @@ keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from eagle3_pipeline.data.dataset import open_split
 from eagle3_pipeline.stage_io import STAGES
 from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 from eagle3_pipeline.target import target_path
+from patches import PLUGIN_NAME
 
 SCRIPTS = {spec.name: spec.script for spec in STAGES.values()}
 ALL = tuple(SCRIPTS)
@@ -212,12 +214,19 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
             break
 
 
+def plugin_installed() -> bool:
+    return any(entry.name == PLUGIN_NAME for entry in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_runs"))
     parser.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
     args = parser.parse_args()
+    if not plugin_installed():  # else every job would build or prepare for minutes and then stop at 02
+        sys.exit(f"error: the entry point {PLUGIN_NAME!r} is not installed here: install the project "
+                 "(pip install --no-deps --no-build-isolation -e .) before running the stages")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     write_image_chat(args.work)
