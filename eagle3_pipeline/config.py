@@ -55,6 +55,14 @@ class RunConfig(Section):
                 raise ValueError(f"train.standardize_aux scales what draft.{norm} normalises: set one of them")
         return self
 
+    @model_validator(mode="after")
+    def _mla_export(self) -> RunConfig:
+        # vLLM reads a speculators-format draft's layer config by its model_type, and takes deepseek_v3 for a
+        # DeepSeek MTP module; the reference layout names vLLM's MLA draft class (export/format.py)
+        if self.draft.attention == "mla" and "speculators" in self.export.formats:
+            raise ValueError("draft.attention mla exports the reference layout only: set export.formats [reference]")
+        return self
+
     def section(self, name: str) -> dict[str, Any]:
         """One top-level section as plain JSON data (by its YAML name)."""
         return self.model_dump(mode="json", by_alias=True)[name]

@@ -327,13 +327,50 @@ class DraftConfig(Section):
                           "state before fc, instead of norm_before_fc's one over their concatenation; false = "
                           "reference")
 
+    attention: Literal["llama", "mla"] = Field(
+        "llama", description="the decoder layer's attention: llama = grouped-query attention (num_key_value_heads, "
+        "head_dim; the reference); mla = DeepSeek-V3's multi-head latent attention (the mla_* sizes below), served "
+        "by vLLM's Eagle3DeepseekV2ForCausalLM")
+    q_lora_rank: int | None = Field(None, ge=1, description="attention mla: rank of the query's low-rank projection "
+                                    "(Kimi-K2.5: 1536; vLLM's MLA draft loads only a low-rank query)")
+    kv_lora_rank: int | None = Field(None, ge=1, description="attention mla: rank of the compressed key/value "
+                                     "latent (Kimi-K2.5: 512)")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="attention mla: per-head query/key dims without "
+                                         "rotary embedding (Kimi-K2.5: 128)")
+    qk_rope_head_dim: int | None = Field(None, ge=2, description="attention mla: per-head query/key dims with rotary "
+                                         "embedding, shared by all heads for the key (Kimi-K2.5: 64)")
+    v_head_dim: int | None = Field(None, ge=1, description="attention mla: per-head value dims (Kimi-K2.5: 128)")
+
     @model_validator(mode="after")
     def _heads_divide(self) -> DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm both normalise fc's input: set one of them")
+        if self.attention == "mla":
+            missing = [name for name in MLA_SIZES if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"attention mla needs {', '.join(missing)} (Kimi-K2.5's: q_lora_rank 1536, "
+                                 "kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError("qk_rope_head_dim must be even: rotary embedding turns pairs of dims")
+            if self.norm_before_fc:  # vLLM's DeepseekV2Eagle3Model has fc_norm and norm_output, no input norm
+                raise ValueError("attention mla: vLLM's MLA draft has no norm_before_fc; use fc_norm (EAGLE 3.1)")
+        else:
+            given = [name for name in MLA_SIZES if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to attention mla only; attention is llama")
         return self
+
+    @property
+    def qk_head_dim(self) -> int:
+        """attention mla: a query's or key's dims per head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+# required by attention mla; q_lora_rank too: vLLM's Eagle3DeepseekV2ForCausalLM always maps kv_a_proj_with_mqa into
+# a fused_qkv_a_proj that exists only with a low-rank query (its hf_to_vllm_mapper, vLLM 0.32)
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 # ---------------------------------------------------------------------------------------------- train

@@ -1,5 +1,5 @@
 """The draft described once (04, 05, 06): every tensor's name and shape under the training draft's names, which
-of them are the target's frozen copies, and the matrices a token multiplies through. The model 04 builds is held
+of them are the target's frozen copies (for either attention, `draft.attention`), and the matrices a token multiplies through. The model 04 builds is held
 to these shapes (tests/train/test_draft_model.py), 05's export config and spec follow from them
 (export/format.py), and so does the FLOP count of a training step (train/flops.py)."""
 
@@ -15,22 +15,40 @@ LAYER = "layers.0."
 # The verifier's tensors the draft holds frozen during training; no export stores them (vLLM shares the target's).
 FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 # the decoder layer's matrices, which every token of every TTT step multiplies through
-LAYER_MATRICES = tuple(LAYER + name for name in (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"))
+MLP_MATRICES = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+ATTENTION_MATRICES = {
+    "llama": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight"),
+    "mla": ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"),
+}
+
+
+def attention_shapes(draft: DraftConfig) -> dict[str, list[int]]:
+    """{name under layers.0.: shape} of the attention's tensors. The layer reads [embedding | hidden state], twice
+    the hidden size, through its first projections (q, k, v; in MLA the query's and the key/value latent's)."""
+    hidden, heads = draft.hidden_size, draft.num_attention_heads
+    if draft.attention == "llama":
+        return {"self_attn.q_proj.weight": [heads * draft.head_dim, 2 * hidden],
+                "self_attn.k_proj.weight": [draft.num_key_value_heads * draft.head_dim, 2 * hidden],
+                "self_attn.v_proj.weight": [draft.num_key_value_heads * draft.head_dim, 2 * hidden],
+                "self_attn.o_proj.weight": [hidden, heads * draft.head_dim]}
+    return {"self_attn.q_a_proj.weight": [draft.q_lora_rank, 2 * hidden],
+            "self_attn.q_a_layernorm.weight": [draft.q_lora_rank],
+            "self_attn.q_b_proj.weight": [heads * draft.qk_head_dim, draft.q_lora_rank],
+            "self_attn.kv_a_proj_with_mqa.weight": [draft.kv_lora_rank + draft.qk_rope_head_dim, 2 * hidden],
+            "self_attn.kv_a_layernorm.weight": [draft.kv_lora_rank],
+            "self_attn.kv_b_proj.weight": [heads * (draft.qk_nope_head_dim + draft.v_head_dim), draft.kv_lora_rank],
+            "self_attn.o_proj.weight": [hidden, heads * draft.v_head_dim]}
 
 
 def floating_shapes(draft: DraftConfig, num_aux: int, target_vocab: int) -> dict[str, list[int]]:
     """{name: shape} of the draft's floating tensors, frozen verifier tensors included."""
-    hidden, heads, kv_heads = draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads
+    hidden = draft.hidden_size
     return {
         "embed_tokens.weight": [target_vocab, hidden],
         "fc.weight": [hidden, num_aux * hidden],
-        # the layer's attention reads [embedding | hidden state]: twice the hidden size
-        LAYER + "self_attn.q_proj.weight": [heads * draft.head_dim, 2 * hidden],
-        LAYER + "self_attn.k_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
-        LAYER + "self_attn.v_proj.weight": [kv_heads * draft.head_dim, 2 * hidden],
-        LAYER + "self_attn.o_proj.weight": [hidden, heads * draft.head_dim],
+        **{LAYER + name: shape for name, shape in attention_shapes(draft).items()},
         LAYER + "mlp.gate_proj.weight": [draft.intermediate_size, hidden],
         LAYER + "mlp.up_proj.weight": [draft.intermediate_size, hidden],
         LAYER + "mlp.down_proj.weight": [hidden, draft.intermediate_size],
@@ -54,7 +72,23 @@ def vocab_map_shapes(draft: DraftConfig, target_vocab: int) -> dict[str, tuple[l
 def layer_multiply_adds(draft: DraftConfig) -> int:
     """Multiply-adds per token through the decoder layer's matrices."""
     shapes = floating_shapes(draft, 1, 1)
-    return sum(math.prod(shapes[name]) for name in LAYER_MATRICES)
+    matrices = (LAYER + name for name in (*ATTENTION_MATRICES[draft.attention], *MLP_MATRICES))
+    return sum(math.prod(shapes[name]) for name in matrices)
+
+
+def attention_multiply_adds_per_key(draft: DraftConfig) -> int:
+    """Multiply-adds of one query reading one key: QK^T over the query/key dims, PV over the value dims."""
+    if draft.attention == "llama":
+        return 2 * draft.num_attention_heads * draft.head_dim
+    return draft.num_attention_heads * (draft.qk_head_dim + draft.v_head_dim)
+
+
+def latent_expansion_multiply_adds(draft: DraftConfig) -> int:
+    """attention mla: multiply-adds of expanding one cached key/value latent into every head's key and value
+    (kv_b_proj), which the training forward redoes for every earlier entry at each TTT step."""
+    if draft.attention == "llama":
+        return 0
+    return draft.kv_lora_rank * draft.num_attention_heads * (draft.qk_nope_head_dim + draft.v_head_dim)
 
 
 def stored_tensors(draft_state: Mapping[str, Any]) -> dict[str, Any]:

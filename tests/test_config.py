@@ -107,6 +107,26 @@ def test_one_norm_before_fc():
                                             "draft.fc_norm=true"])
 
 
+MLA_SIZES = ["draft.q_lora_rank=96", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=32",
+             "draft.qk_rope_head_dim=64", "draft.v_head_dim=32", "export.formats=[reference]"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["draft.attention=mla"], "attention mla needs q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                              "v_head_dim"),
+    (["draft.attention=mla", *MLA_SIZES[1:]], "attention mla needs q_lora_rank \\("),
+    (MLA_SIZES[1:2], "kv_lora_rank apply to attention mla only; attention is llama"),
+    (["draft.attention=mla", *MLA_SIZES[:3], "draft.qk_rope_head_dim=63", "draft.v_head_dim=32"], "must be even"),
+    (["draft.attention=mla", *MLA_SIZES[:-1]], "exports the reference layout only"),
+    (["draft.attention=mla", *MLA_SIZES, "draft.norm_before_fc=true", "train.standardize_aux=false"],
+     "vLLM's MLA draft has no norm_before_fc"),
+])
+def test_mla_sizes_go_with_attention_mla(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / "demo.yaml", overrides)
+    assert load_config(CONFIGS / "demo.yaml", ["draft.attention=mla", *MLA_SIZES]).draft.qk_head_dim == 96
+
+
 def test_regeneration_draft_is_a_folder_checked_at_load(tmp_path):
     """data.regenerate.speculative: null by default; a draft folder (either export format holds config.json) with
     k defaulting to 3; a folder that is not there is one line naming the key, before any stage starts."""

@@ -18,12 +18,19 @@ from tests.conftest import CONFIGS, run_python
 from tests.stage_reads import changed_config
 
 # A knob no other value of its own can change while the config stays valid: changed together with its partner.
+# draft.attention mla and its sizes are valid only together (config_sections.DraftConfig)
+MLA_DRAFT = {"draft.attention": "mla", "draft.q_lora_rank": 48, "draft.kv_lora_rank": 32,
+             "draft.qk_nope_head_dim": 16, "draft.qk_rope_head_dim": 8, "draft.v_head_dim": 16}
+MLA_DRAFT_EXPORT = {"export.formats": ["reference"]}  # its only format
 PAIRED = {
     "target.path": {"target.stand_in": None},  # exactly one of path and stand_in
     "draft.norm_before_fc": {"train.standardize_aux": False},  # the config refuses both (config.py)
     "draft.fc_norm": {"train.standardize_aux": False},
+    **{key: {**{other: value for other, value in MLA_DRAFT.items() if other != key}, **MLA_DRAFT_EXPORT}
+       for key in MLA_DRAFT},
 }
-PAIRED_VALUES = {"target.path": "/models/other-target", "draft.norm_before_fc": True, "draft.fc_norm": True}
+PAIRED_VALUES = {"target.path": "/models/other-target", "draft.norm_before_fc": True, "draft.fc_norm": True,
+                 **MLA_DRAFT}
 
 # What the issue that introduced the two kinds names, by hand: the stages each change must make stale.
 EXPECTED_BY_HAND = {

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.config_sections import DraftConfig
+from eagle3_pipeline.config_sections import MLA_SIZES, DraftConfig
 from eagle3_pipeline.draft_spec import floating_shapes, stored_tensors, vocab_map_shapes
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import run_aux_layer_ids, target_facts
@@ -37,6 +37,9 @@ WEIGHTS_FILE = "model.safetensors"
 SPEC_FILE = "spec.json"
 EXPORT_DTYPE = torch.bfloat16  # floating tensors; d2t stays int64 and t2d bool
 REFERENCE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # draft.attention mla
+# not deepseek_v3: vLLM reads a deepseek_v3 draft as a DeepSeek MTP module (SpeculativeConfig.hf_config_override)
+MLA_MODEL_TYPE = "deepseek_v2"
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -57,18 +60,28 @@ def spec_format(config_json: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------- config.json
+def attention_config(draft: DraftConfig) -> dict:
+    """The attention's keys of config.json: the reference's (Llama) or, for `draft.attention: mla`, the ones
+    vLLM's Eagle3DeepseekV2ForCausalLM reads (a DeepseekV3Config; head_dim and num_key_value_heads as that
+    config derives them, so transformers and vLLM read the same values)."""
+    if draft.attention == "llama":
+        return {"architectures": [REFERENCE_ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+                "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
+                "num_attention_heads": draft.num_attention_heads, "num_key_value_heads": draft.num_key_value_heads,
+                "head_dim": draft.head_dim}
+    return {"architectures": [MLA_ARCHITECTURE], "model_type": MLA_MODEL_TYPE, "num_hidden_layers": 1,
+            "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
+            "num_attention_heads": draft.num_attention_heads, "num_key_value_heads": draft.num_attention_heads,
+            "head_dim": draft.qk_rope_head_dim, "q_lora_rank": draft.q_lora_rank, "kv_lora_rank": draft.kv_lora_rank,
+            "qk_nope_head_dim": draft.qk_nope_head_dim, "qk_rope_head_dim": draft.qk_rope_head_dim,
+            "v_head_dim": draft.v_head_dim, "first_k_dense_replace": 1, "rope_interleave": True}
+
+
 def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[int], serving_len: int) -> dict:
     """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly (and
     `norm_before_fc` / `fc_norm` / `norm_output` when on: vLLM reads them as top-level keys)."""
     return {
-        "architectures": [REFERENCE_ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": draft.hidden_size,
-        "intermediate_size": draft.intermediate_size,
-        "num_attention_heads": draft.num_attention_heads,
-        "num_key_value_heads": draft.num_key_value_heads,
-        "head_dim": draft.head_dim,
+        **attention_config(draft),
         "hidden_act": "silu",
         "vocab_size": facts["vocab_size"],
         "draft_vocab_size": draft.draft_vocab_size,
@@ -104,7 +117,9 @@ def draft_fields(config_json: dict) -> tuple[DraftConfig, list[int], int]:
     rope = layer.get("rope_parameters") or {}
     aux = config_json.get("eagle_aux_hidden_state_layer_ids") or \
         (config_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    mla = {key: layer.get(key) for key in MLA_SIZES} if "kv_lora_rank" in layer else {}
     draft = DraftConfig(
+        **({"attention": "mla", **mla} if mla else {}),
         hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
         intermediate_size=layer["intermediate_size"], draft_vocab_size=config_json["draft_vocab_size"],

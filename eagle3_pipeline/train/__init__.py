@@ -3,6 +3,7 @@
     loop         the stage, top to bottom: setup, the training loop, evaluation, the manifest
     inputs       01's splits, 02's states or stream, 03's vocabulary: opened, checked, planned into packs
     draft_model  the draft (speculators' Eagle3DraftModel + our TTT forward and loss)
+    mla          draft.attention mla: the MLA decoder layer (DeepSeek-V3's) registered with speculators
     attention    the TTT attention masks: document-aware causal, plus each row's own entry per extra step
     verifier     the target's embed_tokens, final norm and lm_head, read by name from its checkpoint
     data         samples shifted by one token and packed into rows, per rank (the pack plan: pack_plan.py)

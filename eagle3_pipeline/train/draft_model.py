@@ -47,6 +47,7 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from transformers import DynamicCache, LlamaConfig
 
 from eagle3_pipeline.config import ConfigError
+from eagle3_pipeline.train import mla
 from eagle3_pipeline.train.attention import ttt_masks
 from eagle3_pipeline.train.loss import FORWARD_KL, Objective, acceptance, chunked_head_loss
 from eagle3_pipeline.train.verifier import VerifierWeights
@@ -172,22 +173,27 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
                 model_class: type[Eagle3DraftModel] = Eagle3Draft, standardize_aux: bool = False) -> Eagle3DraftModel:
     """A freshly initialised draft of the `draft:` config's shape (`draft` is a config_sections.DraftConfig), with an
     `aux_scale` buffer when `standardize_aux` (`train.standardize_aux`)."""
-    layer_config = LlamaConfig(
-        vocab_size=target_vocab_size,
-        hidden_size=draft.hidden_size,
-        intermediate_size=draft.intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=draft.num_attention_heads,
-        num_key_value_heads=draft.num_key_value_heads,
-        head_dim=draft.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=draft.max_position_embeddings,
-        rms_norm_eps=draft.rms_norm_eps,
-        rope_parameters=rope_parameters(draft.rope_theta, draft.rope_scaling),
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-    )
+    rope = rope_parameters(draft.rope_theta, draft.rope_scaling)
+    if draft.attention == "mla":
+        mla.register()
+        layer_config = mla.mla_layer_config(draft, target_vocab_size, rope)
+    else:
+        layer_config = LlamaConfig(
+            vocab_size=target_vocab_size,
+            hidden_size=draft.hidden_size,
+            intermediate_size=draft.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=draft.num_attention_heads,
+            num_key_value_heads=draft.num_key_value_heads,
+            head_dim=draft.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=draft.max_position_embeddings,
+            rms_norm_eps=draft.rms_norm_eps,
+            rope_parameters=rope,
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+        )
     layer_config._attn_implementation = attention
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config,

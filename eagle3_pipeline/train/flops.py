@@ -8,8 +8,11 @@ per multiply-add. Per token (row) of a packed batch, with K = ttt_steps:
               forward 2P + input gradient 2P + weight gradient 2P, once per TTT step
     lm_head   H x draft_vocab      as the layer when trained (ours); 4P when frozen (speculators freezes it)
     verifier  H x draft_vocab      forward 2P, once (the targets)
-    attention per step and query: QK^T and PV over the keys it reads, 4 x heads*head_dim per key forward,
-              x3 with backward; keys read = its document prefix + one own entry per earlier step
+    attention per step and query: QK^T and PV over the keys it reads, 4 x heads*head_dim per key forward
+              (MLA: 2 x heads x (qk_head_dim + v_head_dim)), x3 with backward; keys read = its document prefix
+              + one own entry per earlier step
+    MLA       q_a/q_b (or q), kv_a, kv_b, o in the layer; step k also re-expands the k earlier steps' latents
+              through kv_b (the training forward caches latents, not keys and values)
 
 For the Kimi draft (H 7168, 64 x 128 heads, I 18432, vocab 32000, 3 aux layers) at K = 3 this is about
 20 GFLOP per token plus attention, so one H200 (989 TFLOP/s dense bf16) tops out near 40-50k tokens/s.
@@ -19,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_pipeline.draft_spec import layer_multiply_adds
+from eagle3_pipeline.draft_spec import (attention_multiply_adds_per_key, latent_expansion_multiply_adds,
+                                        layer_multiply_adds)
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense, per GPU (vendor figures)
 
@@ -31,7 +35,9 @@ def train_flops(draft, num_aux: int, ttt_steps: int, tokens: int, attended_keys:
     per_token = 4 * num_aux * h * h
     per_token += ttt_steps * (6 * layer_multiply_adds(draft) + (6 if lm_head_trained else 4) * head)
     per_token += 2 * head
-    attention = 3 * 4 * draft.num_attention_heads * draft.head_dim * attended_keys
+    # MLA: each step expands the latents of the earlier steps' entries again (kv_b_proj), fwd + both grads
+    per_token += 6 * ttt_steps * (ttt_steps - 1) // 2 * latent_expansion_multiply_adds(draft)
+    attention = 3 * 2 * attention_multiply_adds_per_key(draft) * attended_keys
     return per_token * tokens + attention
 
 

@@ -42,6 +42,9 @@ JUSTIFIED = {
 
 
 EAGLE31 = ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false"]
+# draft.attention mla with the tiny Kimi's sizes (its target is MLA: kv_lora_rank 512 + qk_rope_head_dim 64)
+MLA = ["draft.attention=mla", "draft.q_lora_rank=96", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=32",
+       "draft.qk_rope_head_dim=64", "draft.v_head_dim=32", "export.formats=[reference]"]
 
 
 def test_norm_knobs_reach_the_export_config_and_tensors():
@@ -78,7 +81,7 @@ def test_eagle31_keys_and_tensors_in_both_formats():
 @pytest.mark.parametrize("name, knobs", [
     ("kimi_k25", []), ("demo", []),
     ("tiny_kimi", ["draft.norm_before_fc=true", "draft.norm_output=true", "train.standardize_aux=false"]),
-    ("tiny_kimi", EAGLE31),
+    ("tiny_kimi", EAGLE31), ("tiny_kimi", MLA), ("tiny_kimi", [*MLA, *EAGLE31]),
 ])
 def test_the_tensors_a_config_implies_are_the_ones_training_builds(name, knobs):
     """06 computes the shapes from config.json alone; they must be what speculators' draft class builds."""

@@ -28,7 +28,33 @@ from eagle3_pipeline.validate.compare import BREAKING, static_differences
 from tests.train.test_draft_model import step_logits
 
 AUX_IDS, ROWS, STEPS, DRAFT_VOCAB = [2, 15, 27], 12, 3, 64
-LAYOUTS = {"reference": {}, "eagle31": {"fc_norm": True, "norm_output": True}}
+EAGLE31 = {"fc_norm": True, "norm_output": True}
+# draft.attention mla; vLLM's CPU MLA backend takes latents of kv_lora_rank + qk_rope_head_dim = 576 only
+MLA = {"attention": "mla", "q_lora_rank": 96, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+       "v_head_dim": 48}
+LAYOUTS = {"reference": {}, "eagle31": EAGLE31, "mla": MLA, "mla-eagle31": {**MLA, **EAGLE31}}
+
+
+class CachedLatentAttention(torch.nn.Module):
+    """vLLM's MLA attention for one request, in its expanded form: kv_b_proj turns each kept latent into every
+    head's key (with the shared rotary part) and value; then as CachedCausalAttention."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention, self.latents, self.rotary = attention, None, None
+
+    def forward(self, q, kv_c_normed, k_pe, output_shape, **_):
+        a, new = self.attention, q.shape[0]
+        self.latents = kv_c_normed if self.latents is None else torch.cat([self.latents, kv_c_normed])
+        self.rotary = k_pe if self.rotary is None else torch.cat([self.rotary, k_pe])
+        total = self.latents.shape[0]
+        expanded = a.kv_b_proj(self.latents)[0].view(total, a.num_heads, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, values = expanded.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        keys = torch.cat([k_nope, self.rotary.expand(-1, a.num_heads, -1)], dim=-1)
+        visible = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, scale=a.scaling)
+        return out.transpose(0, 1).reshape(output_shape)
 
 
 class CachedCausalAttention(torch.nn.Module):
@@ -59,7 +85,9 @@ def trained_looking_draft(hidden: int, vocab: int, flags: dict):
     draft = SimpleNamespace(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                             intermediate_size=128, draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0,
                             rope_scaling=None, max_position_embeddings=256, rms_norm_eps=1e-6,
-                            norm_before_residual=False, norm_before_fc=False, norm_output=False, fc_norm=False)
+                            norm_before_residual=False, norm_before_fc=False, norm_output=False, fc_norm=False,
+                            attention="llama", q_lora_rank=None, kv_lora_rank=None, qk_nope_head_dim=None,
+                            qk_rope_head_dim=None, v_head_dim=None)
     draft.__dict__.update(flags)
     model = build_draft(draft, AUX_IDS, vocab, "sdpa")
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -71,6 +99,8 @@ def trained_looking_draft(hidden: int, vocab: int, flags: dict):
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.copy_(1 + 0.3 * torch.randn_like(parameter))
+            if name.endswith("o_proj.weight"):  # attention's share of the output as large as fc's: a wrong
+                parameter.mul_(64)  # attention (rope, scale, masks) shows in the logits; x 2^6 stays bf16-exact
             parameter.copy_(parameter.to(torch.bfloat16))
     return draft, model
 
@@ -116,14 +146,17 @@ def vllm_draft(target, folder, model):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+    served_class = Eagle3DeepseekV2ForCausalLM if model.config.transformer_layer_config.model_type == "deepseek_v3" \
+        else Eagle3LlamaForCausalLM
     config = EngineArgs(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True,
                         speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": STEPS},
                         ).create_engine_config()
     with set_current_vllm_config(config):
         start_model_parallel()
-        served = Eagle3LlamaForCausalLM(vllm_config=config)
+        served = served_class(vllm_config=config)
         served.load_weights(load_file(str(folder / "model.safetensors")).items())
         served.model.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
         process_weights_after_loading(served, config.model_config, torch.device("cpu"))
@@ -135,8 +168,14 @@ def vllm_drafted_logits(config, served, aux, ids, row: int) -> list[torch.Tensor
     from vllm.config import set_current_vllm_config
 
     attention = served.model.layers[0].self_attn
-    attention.attn = CachedCausalAttention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                           attention.scaling)
+    if hasattr(attention, "mla_attn"):  # DeepseekV2MLAAttention: the wrapper's kernel call
+        attention.mla_attn.mla_attn = CachedLatentAttention(attention)
+        # vLLM CPU's rotary kernel (forward_cpu) turns the MLA query's pairs otherwise than its own
+        # forward_native, which the GPU kernels and transformers agree with: the reference here is forward_native
+        attention.rotary_emb._forward_method = attention.rotary_emb.forward_native
+    else:
+        attention.attn = CachedCausalAttention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                               attention.scaling)
     kept = torch.arange(DRAFT_VOCAB) + served.draft_id_to_target_id  # the draft vocab's target ids
     logits = []
     with set_current_vllm_config(config), torch.no_grad():

@@ -56,12 +56,17 @@ HIDDEN, VOCAB, DRAFT_VOCAB, AUX = 32, 96, 48, 3
 DRAFT = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=64, draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0, rope_scaling=None,
                         max_position_embeddings=256, rms_norm_eps=1e-6, norm_before_residual=False,
-                        norm_before_fc=False, norm_output=False, fc_norm=False)
+                        norm_before_fc=False, norm_output=False, fc_norm=False, attention="llama",
+                        q_lora_rank=None, kv_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None,
+                        v_head_dim=None)
+# draft.attention mla at the tiny size: qk head 8 + 8, values 12, latents 16, query rank 24
+MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+       "v_head_dim": 12}
 
 
-def tiny_model(attention: str = "sdpa", **flags):
+def tiny_model(implementation: str = "sdpa", **flags):
     torch.manual_seed(0)
-    model = build_draft(SimpleNamespace(**{**vars(DRAFT), **flags}), [1, 2, 3], VOCAB, attention).double()
+    model = build_draft(SimpleNamespace(**{**vars(DRAFT), **flags}), [1, 2, 3], VOCAB, implementation).double()
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[torch.randperm(VOCAB)[:DRAFT_VOCAB]] = True
     d2t = t2d.nonzero().squeeze(1) - torch.arange(DRAFT_VOCAB)
@@ -133,11 +138,12 @@ def drafted_logits(model, batch, row: int, ttt_steps: int):
     return [lg[0, -1] for lg in logits]
 
 
-@pytest.mark.parametrize("attention,flags", [("sdpa", {}), ("eager", {}),
-                                             ("sdpa", {"norm_before_fc": True, "norm_output": True})])
-def test_ttt_forward_equals_step_by_step_drafting(attention, flags):
-    model = tiny_model(attention, **flags)
-    assert (model.input_norm is not None) == bool(flags)
+@pytest.mark.parametrize("implementation,flags", [("sdpa", {}), ("eager", {}),
+                                                  ("sdpa", {"norm_before_fc": True, "norm_output": True}),
+                                                  ("sdpa", MLA), ("eager", {**MLA, "norm_output": True})])
+def test_ttt_forward_equals_step_by_step_drafting(implementation, flags):
+    model = tiny_model(implementation, **flags)
+    assert (model.input_norm is not None) == flags.get("norm_before_fc", False)
     batch = packed([20], 24)
     with torch.no_grad():
         trained, _, _ = step_logits(model, batch)
