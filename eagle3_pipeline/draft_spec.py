@@ -42,6 +42,14 @@ def attention_shapes(draft: DraftConfig) -> dict[str, list[int]]:
             "self_attn.o_proj.weight": [hidden, heads * draft.v_head_dim]}
 
 
+def attention_summary(draft: DraftConfig) -> str:
+    """The attention's shape in a few words, for messages and model cards."""
+    if draft.attention == "llama":
+        return f"{draft.num_attention_heads} heads x {draft.head_dim} ({draft.num_key_value_heads} key/value heads)"
+    return (f"MLA, {draft.num_attention_heads} heads x {draft.qk_nope_head_dim}+{draft.qk_rope_head_dim} "
+            f"(values {draft.v_head_dim}), latents q {draft.q_lora_rank} / kv {draft.kv_lora_rank}")
+
+
 def floating_shapes(draft: DraftConfig, num_aux: int, target_vocab: int) -> dict[str, list[int]]:
     """{name: shape} of the draft's floating tensors, frozen verifier tensors included."""
     hidden = draft.hidden_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -40,6 +41,9 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
     check_model_runner_choice({**os.environ, **environment})
+    if on_cpu() and serves_mla_draft(settings) and not is_mla(text_config(model_dir)):
+        raise ConfigError("vLLM CPU serves an MLA draft (draft.attention mla) only on an MLA target: the draft's "
+                          "CPU_MLA backend keeps KV blocks of 16 and the target's CPU_ATTN multiples of 32")
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
     if environment.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
@@ -92,7 +96,9 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
     settings.update(llm_kwargs)
     environment = {}
     mla_target = is_mla(text_config(model_dir))
-    mla_target_with_draft = mla_target and (settings.get("speculative_config") or {}).get("method") == "eagle3"
+    # an MLA draft on an MLA target shares its attention backend: only a Llama-style draft needs the rules below
+    mla_target_with_draft = mla_target and (settings.get("speculative_config") or {}).get("method") == "eagle3" \
+        and not serves_mla_draft(settings)
     if on_cpu():
         settings.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         if engine.cpu_reserved_cores is not None:
@@ -112,6 +118,14 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
         # targets on V1 unless told otherwise; from 0.29 MRv2 is every architecture's default.
         environment["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return settings, environment
+
+
+def serves_mla_draft(settings: Mapping[str, Any]) -> bool:
+    """Whether the engine's EAGLE-3 draft has MLA attention (`draft.attention: mla`; its config.json sets
+    kv_lora_rank, as vLLM's own rule reads it)."""
+    speculative = settings.get("speculative_config") or {}
+    config = Path(speculative.get("model", "")) / "config.json"
+    return speculative.get("method") == "eagle3" and config.is_file() and is_mla(json.loads(config.read_text()))
 
 
 # the first vLLM release read to size a draft's FlashAttention plan from the draft's own layers under MRv2

@@ -5,12 +5,14 @@ data URL); 02 captures through the worker extension (MLA), the images' tokens th
 03, 04 (4 steps), 05 (both formats); 06 checks both folders and serves the reference draft on the MLA
 target, in an environment where speculators cannot be imported (as vLLM 0.16's).
 
-Three engine starts (01, 02, 06 with the draft): a few minutes on 2 cores.
+Then 04-06 again from the same 01-03 with an MLA draft (draft.attention mla), served by vLLM's own MLA draft
+class on the MLA target. Four engine starts (01, 02, 06 twice): a few minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from datasets import load_from_disk
@@ -26,6 +28,8 @@ from tests.subprocess_site import python_environment
 
 THINK = 163606  # Kimi's <think>: in thinking mode the generation prompt opens the reasoning
 MEDIA_PAD = 163605  # Kimi's image placeholder: vLLM makes one per 2x2 merged 14-pixel patches of an image
+MLA_DRAFT = ["draft.attention=mla", "draft.q_lora_rank=64", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=64",
+             "draft.qk_rope_head_dim=64", "draft.v_head_dim=64", "export.formats=[reference]"]
 SETTINGS = ["train.max_steps=4", "train.warmup_steps=1", "train.checkpoint_every=4", "train.eval_every=4",
             "train.log_every=1", "validate.compare_without_speculation=false",
             "data.regenerate.max_tokens=16", "target.engine.max_num_seqs=48"]  # 01 in one round of short answers
@@ -83,3 +87,19 @@ def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_p
     config = load_config(CONFIGS / "tiny_kimi.yaml", [overrides[i + 1] for i in range(0, len(overrides), 2)])
     changed = check_fingerprints_cover_reads(config, reads_dir)
     print(f"config keys read and changed per stage: {changed}")
+
+    # The same run's 01-03 with an MLA draft (draft.attention mla, at the latent width vLLM CPU's MLA kernels
+    # take): 04-06 again; vLLM serves it on the MLA target with its Eagle3DeepseekV2ForCausalLM, every tensor loaded.
+    mla_dir = tmp_path / "mla-run"
+    for name in ("01_data", "02_hidden_states", "03_vocab"):
+        shutil.copytree(run_dir / name, mla_dir / name)
+    mla = [word for setting in [f"run_dir={mla_dir}", sources, *SETTINGS, *MLA_DRAFT] for word in ("--set", setting)]
+    for spec in list(STAGES.values())[3:]:
+        result = run_python(spec.script, "--config", str(CONFIGS / "tiny_kimi.yaml"), *mla, timeout=900)
+        assert result.returncode == 0, f"{spec.script} (mla):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    report = json.loads((mla_dir / "06_validate" / "report.json").read_text())
+    run = report["runs"][0]
+    assert report["verdict"] == "PASSED" and run["num_drafts"] > 0 and run["skipped_parameters"] == []
+    assert "model.layers.0.self_attn.fused_qkv_a_proj.weight" in run["loaded_parameters"]
+    assert json.loads((mla_dir / "05_export" / "reference" / "config.json").read_text())["architectures"] == [
+        "Eagle3DeepseekV2ForCausalLM"]

@@ -77,6 +77,16 @@ def attention_config(draft: DraftConfig) -> dict:
             "v_head_dim": draft.v_head_dim, "first_k_dense_replace": 1, "rope_interleave": True}
 
 
+def served_rope_scaling(draft: DraftConfig, max_positions: int) -> dict | None:
+    """`draft.rope_scaling` as config.json states it. An MLA draft without scaling states DeepSeek's yarn at factor
+    1, which is plain rotary embedding: vLLM 0.26's MLA draft layer reads every draft's rope as yarn and needs its
+    factor (0.32 and 0.34 read plain rope as such; tests/export/test_vllm_draft_forward.py serves this form)."""
+    if draft.attention == "llama" or draft.rope_scaling is not None:
+        return draft.rope_scaling
+    return {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": max_positions, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[int], serving_len: int) -> dict:
     """config.json in the reference's fields and order, plus `norm_before_residual` written explicitly (and
     `norm_before_fc` / `fc_norm` / `norm_output` when on: vLLM reads them as top-level keys)."""
@@ -88,7 +98,7 @@ def reference_config(draft: DraftConfig, facts: dict[str, Any], aux_ids: list[in
         # rope has no scaling here, so a larger value changes nothing but what vLLM accepts to serve
         "max_position_embeddings": max(draft.max_position_embeddings, serving_len),
         "rope_theta": draft.rope_theta,
-        "rope_scaling": draft.rope_scaling,
+        "rope_scaling": served_rope_scaling(draft, max(draft.max_position_embeddings, serving_len)),
         "rms_norm_eps": draft.rms_norm_eps,
         "tie_word_embeddings": False,
         "attention_bias": False,

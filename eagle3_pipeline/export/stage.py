@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.acceptance import metric_key, overall_ks
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.draft_spec import stored_tensors
+from eagle3_pipeline.draft_spec import attention_summary, stored_tensors
 from eagle3_pipeline.export.format import (
     SPEC_FILE,
     WEIGHTS_FILE,
@@ -83,8 +83,7 @@ def write_spec_only(config: RunConfig, out: Path | None) -> Path:
     fmt = config.export.formats[0]
     out = out or Path(config.run_dir) / "05_export" / SPEC_FILE
     write_json_atomic(out, run_spec(config, fmt).to_json())
-    print(f"05_export: {fmt} spec from {config.draft.num_attention_heads} heads x {config.draft.head_dim}, "
-          f"hidden {config.draft.hidden_size}, draft vocab {config.draft.draft_vocab_size} -> {out}")
+    print(f"05_export: {fmt} spec from {attention_summary(config.draft)}, hidden {config.draft.hidden_size}, draft vocab {config.draft.draft_vocab_size} -> {out}")
     return out
 
 
@@ -216,7 +215,8 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
     train = config.train.model_dump()
     return "\n".join([
         f"# EAGLE-3 draft for {target} ({fmt} format)", "",
-        (f"One Llama-style decoder layer reading the target's aux hidden states "
+        (f"One {'Llama-style' if config.draft.attention == 'llama' else 'DeepSeek-V3-style (MLA)'} decoder layer "
+         f"({attention_summary(config.draft)}) reading the target's aux hidden states "
          f"{(config_json.get('eagle_config') or config_json)['eagle_aux_hidden_state_layer_ids']} "
          "(vLLM convention: id i = the residual stream entering layer i). No `embed_tokens`: vLLM shares the target's."),
         "", "## Target", f"- {target}, vocabulary {card['facts']['vocab_size']}, {card['facts']['num_hidden_layers']} layers",

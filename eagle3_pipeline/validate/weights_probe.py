@@ -7,7 +7,7 @@ weights for packed copies, so the values cannot be compared afterwards either.
 
 So the draft's loading itself is recorded. vLLM imports the `worker_extension_cls` module in every worker
 before the model loads (06's `worker.WORKER_EXTENSION` mixes this class in); importing this module wraps
-`Eagle3LlamaForCausalLM.load_weights` to keep, per load, the tensor names it received, the parameters its
+`Eagle3LlamaForCausalLM.load_weights` (and `Eagle3DeepseekV2ForCausalLM.load_weights`, the MLA draft) to keep, per load, the tensor names it received, the parameters its
 `AutoWeightsLoader` reports loaded and all the parameters the draft has. `llm.collective_rpc(REPORT)` returns
 that from each worker, plus the draft parameters that are the target's own tensors (the embedding, and the
 lm_head where the draft has none): found by storage, whichever model runner holds the draft (V1 names it
@@ -31,10 +31,21 @@ _loads: list[dict] = []  # one entry per draft load in this worker process
 
 
 def _install_recorder() -> None:
+    """Record the loading of vLLM's Eagle-3 Llama draft and, where this vLLM has it, of its MLA draft."""
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    _record_loading(Eagle3LlamaForCausalLM)
+    try:  # draft.attention mla (vLLM 0.18 and later)
+        from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
+    except ImportError:
+        return
+    _record_loading(Eagle3DeepseekV2ForCausalLM)
+
+
+def _record_loading(draft_class) -> None:
     from vllm.model_executor.models.utils import AutoWeightsLoader
 
-    original = Eagle3LlamaForCausalLM.load_weights
+    original = draft_class.load_weights
     if getattr(original, "records_loading", False):  # imported twice in one process
         return
 
@@ -64,7 +75,7 @@ def _install_recorder() -> None:
         return result
 
     load_weights.records_loading = True
-    Eagle3LlamaForCausalLM.load_weights = load_weights
+    draft_class.load_weights = load_weights
 
 
 class DraftWeightsProbe:
@@ -102,7 +113,7 @@ def skipped_parameters(report: dict, required: list[str] = ()) -> tuple[list[str
     """(draft parameters neither loaded nor shared from the target, `required` ones (`flagged_norms`) among
     them whether vLLM built them or not; received tensors vLLM dropped knowingly)."""
     if not report["loads"]:
-        return ["<no Eagle-3 Llama draft was loaded: is the export's architecture one vLLM maps to it?>"], []
+        return ["<no Eagle-3 draft was loaded: is the export's architecture one vLLM maps to it?>"], []
     load = report["loads"][-1]
     skipped = sorted((set(load["parameters"]) | set(required)) - set(loaded_parameters(report)) - set(report["shared"]))
     ignored = sorted(name for name in load["received"] if name.endswith("t2d"))

@@ -166,4 +166,4 @@ def test_skipped_parameters_from_a_load_record():
     # config.json asks for EAGLE 3.1's norms, but this vLLM built none: not loaded, so reported
     required = [f"model.fc_norm.{i}.weight" for i in range(2)]
     assert skipped_parameters(report, required)[0] == [*required, "model.layers.0.mlp.down_proj.weight"]
-    assert skipped_parameters({"loads": [], "shared": []})[0][0].startswith("<no Eagle-3 Llama draft was loaded")
+    assert skipped_parameters({"loads": [], "shared": []})[0][0].startswith("<no Eagle-3 draft was loaded")
