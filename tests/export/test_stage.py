@@ -42,9 +42,9 @@ JUSTIFIED = {
 
 
 EAGLE31 = ["draft.fc_norm=true", "draft.norm_output=true", "train.standardize_aux=false"]
-# draft.attention mla with the tiny Kimi's sizes (its target is MLA: kv_lora_rank 512 + qk_rope_head_dim 64)
-MLA = ["draft.attention=mla", "draft.q_lora_rank=96", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=32",
-       "draft.qk_rope_head_dim=64", "draft.v_head_dim=32", "export.formats=[reference]"]
+# draft.attention mla, every size unlike transformers' DeepseekV3Config defaults: a size not passed on shows
+MLA = ["draft.attention=mla", "draft.q_lora_rank=96", "draft.kv_lora_rank=48", "draft.qk_nope_head_dim=32",
+       "draft.qk_rope_head_dim=16", "draft.v_head_dim=24", "export.formats=[reference]"]
 
 
 def test_norm_knobs_reach_the_export_config_and_tensors():

@@ -144,6 +144,8 @@ def drafted_logits(model, batch, row: int, ttt_steps: int):
 def test_ttt_forward_equals_step_by_step_drafting(implementation, flags):
     model = tiny_model(implementation, **flags)
     assert (model.input_norm is not None) == flags.get("norm_before_fc", False)
+    assert model.config.transformer_layer_config.model_type == {"llama": "llama", "mla": "deepseek_v3"}[
+        flags.get("attention", "llama")]
     batch = packed([20], 24)
     with torch.no_grad():
         trained, _, _ = step_logits(model, batch)
