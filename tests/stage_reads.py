@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import ConfigError, RunConfig, field_at, is_runtime_knob, parse_config
+from eagle3_pipeline.config_sections import MLA_SIZES
 from eagle3_pipeline.stage_io import STAGES, Stage, StageError, upstream_of
 from eagle3_pipeline.target import target_facts
 
 LOCATION = {"run_dir"}  # where a run lives, not what it makes
 # knobs that no other value of their own can change while the rest of the config stays valid
-BOUND = {norm: "train.standardize_aux (on in the configs) scales what it normalises: the config refuses both"
-         for norm in ("draft.norm_before_fc", "draft.fc_norm")}
+BOUND = {**{norm: "train.standardize_aux (on in the configs) scales what it normalises: the config refuses both"
+            for norm in ("draft.norm_before_fc", "draft.fc_norm")},
+         **{key: "valid only together (attention mla with its five sizes): tests/test_knob_kinds.py changes them so"
+            for key in ("draft.attention", *(f"draft.{size}" for size in MLA_SIZES))}}
 
 
 # read by 02 in stream mode only to send its packs in 04's order (pack_plan.plan_settings); 04 refuses a stream
