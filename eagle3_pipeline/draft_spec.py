@@ -1,7 +1,8 @@
 """The draft described once (04, 05, 06): every tensor's name and shape under the training draft's names, which
-of them are the target's frozen copies (for either attention, `draft.attention`), and the matrices a token multiplies through. The model 04 builds is held
-to these shapes (tests/train/test_draft_model.py), 05's export config and spec follow from them
-(export/format.py), and so does the FLOP count of a training step (train/flops.py)."""
+of them are the target's frozen copies, and the matrices a token multiplies through, for either attention
+(`draft.attention`). The model 04 builds is held to these shapes (tests/train/test_draft_model.py), 05's export
+config and spec follow from them (export/format.py), and so does the FLOP count of a training step
+(train/flops.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,6 @@ from eagle3_pipeline.config_sections import DraftConfig
 LAYER = "layers.0."
 # The verifier's tensors the draft holds frozen during training; no export stores them (vLLM shares the target's).
 FROZEN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
-# the decoder layer's matrices, which every token of every TTT step multiplies through
-MLP_MATRICES = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-ATTENTION_MATRICES = {
-    "llama": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-              "self_attn.o_proj.weight"),
-    "mla": ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
-            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"),
-}
-
-
 def attention_shapes(draft: DraftConfig) -> dict[str, list[int]]:
     """{name under layers.0.: shape} of the attention's tensors. The layer reads [embedding | hidden state], twice
     the hidden size, through its first projections (q, k, v; in MLA the query's and the key/value latent's)."""
@@ -78,10 +69,9 @@ def vocab_map_shapes(draft: DraftConfig, target_vocab: int) -> dict[str, tuple[l
 
 
 def layer_multiply_adds(draft: DraftConfig) -> int:
-    """Multiply-adds per token through the decoder layer's matrices."""
-    shapes = floating_shapes(draft, 1, 1)
-    matrices = (LAYER + name for name in (*ATTENTION_MATRICES[draft.attention], *MLP_MATRICES))
-    return sum(math.prod(shapes[name]) for name in matrices)
+    """Multiply-adds per token through the decoder layer's matrices (its 2-D tensors; the rest are norms)."""
+    return sum(math.prod(shape) for name, shape in floating_shapes(draft, 1, 1).items()
+               if name.startswith(LAYER) and len(shape) == 2)
 
 
 def attention_multiply_adds_per_key(draft: DraftConfig) -> int:

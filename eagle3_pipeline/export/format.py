@@ -64,17 +64,15 @@ def attention_config(draft: DraftConfig) -> dict:
     """The attention's keys of config.json: the reference's (Llama) or, for `draft.attention: mla`, the ones
     vLLM's Eagle3DeepseekV2ForCausalLM reads (a DeepseekV3Config; head_dim and num_key_value_heads as that
     config derives them, so transformers and vLLM read the same values)."""
-    if draft.attention == "llama":
-        return {"architectures": [REFERENCE_ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-                "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
-                "num_attention_heads": draft.num_attention_heads, "num_key_value_heads": draft.num_key_value_heads,
-                "head_dim": draft.head_dim}
-    return {"architectures": [MLA_ARCHITECTURE], "model_type": MLA_MODEL_TYPE, "num_hidden_layers": 1,
-            "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
-            "num_attention_heads": draft.num_attention_heads, "num_key_value_heads": draft.num_attention_heads,
-            "head_dim": draft.qk_rope_head_dim, "q_lora_rank": draft.q_lora_rank, "kv_lora_rank": draft.kv_lora_rank,
-            "qk_nope_head_dim": draft.qk_nope_head_dim, "qk_rope_head_dim": draft.qk_rope_head_dim,
-            "v_head_dim": draft.v_head_dim, "first_k_dense_replace": 1, "rope_interleave": True}
+    llama = draft.attention == "llama"
+    shared = {"architectures": [REFERENCE_ARCHITECTURE if llama else MLA_ARCHITECTURE],
+              "model_type": "llama" if llama else MLA_MODEL_TYPE, "num_hidden_layers": 1,
+              "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
+              "num_attention_heads": draft.num_attention_heads}
+    if llama:
+        return {**shared, "num_key_value_heads": draft.num_key_value_heads, "head_dim": draft.head_dim}
+    return {**shared, "num_key_value_heads": draft.num_attention_heads, "head_dim": draft.qk_rope_head_dim,
+            **{size: getattr(draft, size) for size in MLA_SIZES}, "first_k_dense_replace": 1, "rope_interleave": True}
 
 
 def served_rope_scaling(draft: DraftConfig, max_positions: int) -> dict | None:

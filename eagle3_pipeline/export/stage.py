@@ -83,7 +83,8 @@ def write_spec_only(config: RunConfig, out: Path | None) -> Path:
     fmt = config.export.formats[0]
     out = out or Path(config.run_dir) / "05_export" / SPEC_FILE
     write_json_atomic(out, run_spec(config, fmt).to_json())
-    print(f"05_export: {fmt} spec from {attention_summary(config.draft)}, hidden {config.draft.hidden_size}, draft vocab {config.draft.draft_vocab_size} -> {out}")
+    print(f"05_export: {fmt} spec from {attention_summary(config.draft)}, hidden {config.draft.hidden_size}, "
+          f"draft vocab {config.draft.draft_vocab_size} -> {out}")
     return out
 
 

@@ -173,27 +173,25 @@ def build_draft(draft, aux_layer_ids: list[int], target_vocab_size: int, attenti
                 model_class: type[Eagle3DraftModel] = Eagle3Draft, standardize_aux: bool = False) -> Eagle3DraftModel:
     """A freshly initialised draft of the `draft:` config's shape (`draft` is a config_sections.DraftConfig), with an
     `aux_scale` buffer when `standardize_aux` (`train.standardize_aux`)."""
-    rope = rope_parameters(draft.rope_theta, draft.rope_scaling)
+    shared = dict(
+        vocab_size=target_vocab_size,
+        hidden_size=draft.hidden_size,
+        intermediate_size=draft.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=draft.num_attention_heads,
+        hidden_act="silu",
+        max_position_embeddings=draft.max_position_embeddings,
+        rms_norm_eps=draft.rms_norm_eps,
+        rope_parameters=rope_parameters(draft.rope_theta, draft.rope_scaling),
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
     if draft.attention == "mla":
         mla.register()
-        layer_config = mla.mla_layer_config(draft, target_vocab_size, rope)
+        layer_config = mla.mla_layer_config(draft, shared)
     else:
-        layer_config = LlamaConfig(
-            vocab_size=target_vocab_size,
-            hidden_size=draft.hidden_size,
-            intermediate_size=draft.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=draft.num_attention_heads,
-            num_key_value_heads=draft.num_key_value_heads,
-            head_dim=draft.head_dim,
-            hidden_act="silu",
-            max_position_embeddings=draft.max_position_embeddings,
-            rms_norm_eps=draft.rms_norm_eps,
-            rope_parameters=rope,
-            attention_bias=False,
-            mlp_bias=False,
-            tie_word_embeddings=False,
-        )
+        layer_config = LlamaConfig(**shared, num_key_value_heads=draft.num_key_value_heads, head_dim=draft.head_dim,
+                                   mlp_bias=False)
     layer_config._attn_implementation = attention
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config,

@@ -11,7 +11,7 @@ per multiply-add. Per token (row) of a packed batch, with K = ttt_steps:
     attention per step and query: QK^T and PV over the keys it reads, 4 x heads*head_dim per key forward
               (MLA: 2 x heads x (qk_head_dim + v_head_dim)), x3 with backward; keys read = its document prefix
               + one own entry per earlier step
-    MLA       q_a/q_b (or q), kv_a, kv_b, o in the layer; step k also re-expands the k earlier steps' latents
+    MLA       q_a, q_b, kv_a, kv_b, o in the layer; step k also re-expands the k earlier steps' latents
               through kv_b (the training forward caches latents, not keys and values)
 
 For the Kimi draft (H 7168, 64 x 128 heads, I 18432, vocab 32000, 3 aux layers) at K = 3 this is about

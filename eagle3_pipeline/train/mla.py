@@ -9,9 +9,9 @@ kv_a_proj_with_mqa; those become 2H wide, as in vLLM's Eagle3DeepseekV2ForCausal
 speculators picks a draft's layer classes by the layer config's model_type from its `model_classes` registry;
 `register()` adds "deepseek_v3" there (its registry, not a copy of its model).
 
-Differences from transformers' defaults, to match what vLLM serves:
-- the q_a / kv_a latent norms take the draft's rms_norm_eps (transformers builds them with 1e-6);
-- rotary embedding on interleaved pairs (`rope_interleave`, vLLM's MLA rope is not neox-style).
+To match what vLLM serves: the q_a / kv_a latent norms take the draft's rms_norm_eps (transformers builds them
+with 1e-6), and rotary embedding turns interleaved pairs (`rope_interleave`, stated although transformers'
+default: vLLM's MLA rope is not neox-style).
 """
 
 from __future__ import annotations
@@ -49,26 +49,17 @@ def register() -> None:
         norm_class=DeepseekV3RMSNorm, rotary_emb_class=DeepseekV3RotaryEmbedding)
 
 
-def mla_layer_config(draft, target_vocab_size: int, rope_parameters: dict) -> DeepseekV3Config:
-    """The one-layer DeepseekV3Config of an MLA draft (`draft` is a config_sections.DraftConfig)."""
+def mla_layer_config(draft, shared: dict) -> DeepseekV3Config:
+    """The one-layer DeepseekV3Config of an MLA draft (`draft` is a config_sections.DraftConfig; `shared` the keys
+    every draft layer config takes, draft_model.build_draft's)."""
     return DeepseekV3Config(
-        vocab_size=target_vocab_size,
-        hidden_size=draft.hidden_size,
-        intermediate_size=draft.intermediate_size,
-        num_hidden_layers=1,
+        **shared,
         first_k_dense_replace=1,  # layer 0 has the dense MLP
-        num_attention_heads=draft.num_attention_heads,
         num_key_value_heads=draft.num_attention_heads,
         q_lora_rank=draft.q_lora_rank,
         kv_lora_rank=draft.kv_lora_rank,
         qk_nope_head_dim=draft.qk_nope_head_dim,
         qk_rope_head_dim=draft.qk_rope_head_dim,
         v_head_dim=draft.v_head_dim,
-        hidden_act="silu",
-        max_position_embeddings=draft.max_position_embeddings,
-        rms_norm_eps=draft.rms_norm_eps,
-        rope_parameters=rope_parameters,
         rope_interleave=True,
-        attention_bias=False,
-        tie_word_embeddings=False,
     )

@@ -5,18 +5,18 @@ loaded set; the Eagle-3 Llama draft returns None, so a tensor the export lacks, 
 drops, leaves its parameter uninitialised without a word. After loading, CPU linear layers even drop their
 weights for packed copies, so the values cannot be compared afterwards either.
 
-So the draft's loading itself is recorded. vLLM imports the `worker_extension_cls` module in every worker
-before the model loads (06's `worker.WORKER_EXTENSION` mixes this class in); importing this module wraps
-`Eagle3LlamaForCausalLM.load_weights` (and `Eagle3DeepseekV2ForCausalLM.load_weights`, the MLA draft) to keep, per load, the tensor names it received, the parameters its
-`AutoWeightsLoader` reports loaded and all the parameters the draft has. `llm.collective_rpc(REPORT)` returns
-that from each worker, plus the draft parameters that are the target's own tensors (the embedding, and the
-lm_head where the draft has none): found by storage, whichever model runner holds the draft (V1 names it
-`runner.drafter`, Model Runner V2 `runner.speculator`; `runner.get_draft_model()` is on both) and whatever
-flags vLLM set while sharing.
+So the draft's loading itself is recorded. vLLM imports the `worker_extension_cls` module in every worker before the
+model loads (06's `worker.WORKER_EXTENSION` mixes this class in); importing this module wraps
+`Eagle3LlamaForCausalLM.load_weights` (and `Eagle3DeepseekV2ForCausalLM.load_weights`, the MLA draft) to keep, per
+load, the tensor names it received, the parameters its `AutoWeightsLoader` reports loaded and all the parameters the
+draft has. `llm.collective_rpc(REPORT)` returns that from each worker, plus the draft parameters that are the
+target's own tensors (the embedding, and the lm_head where the draft has none): found by storage, whichever model
+runner holds the draft (V1 names it `runner.drafter`, Model Runner V2 `runner.speculator`;
+`runner.get_draft_model()` is on both) and whatever flags vLLM set while sharing.
 
-A norm the export's config.json asks for (EAGLE 3.1's `fc_norm`: one per aux state; `norm_before_fc`'s
-`input_norm`) is a parameter only where vLLM read the flag, and runs at its initial ones where the tensor is
-missing: `flagged_norms` names the parameters vLLM must have loaded for those flags.
+A norm the export's config.json asks for (EAGLE 3.1's `fc_norm`: one per aux state; `norm_before_fc`'s `input_norm`)
+is a parameter only where vLLM read the flag, and runs at its initial ones where the tensor is missing:
+`flagged_norms` names the parameters vLLM must have loaded for those flags.
 """
 
 from __future__ import annotations
