@@ -60,6 +60,10 @@ SMOL_SHARE = ["target.engine.gpu_memory_utilization=0.4", "target.engine.kv_cach
 SMOL_SETS = [word for value in SMOL_SHARE for word in ("--set", value)]
 # the tiny Kimi's data as tests/test_pipeline_tiny_kimi.py's: magpie chats in thinking mode and a two-image chat
 KIMI_SOURCES = "data.sources=[{kind: magpie, limit: 32, max_tokens: 8}, {kind: file, name: $WORK/pictures.jsonl}]"
+# an MLA draft (draft.attention mla) at the head dims vLLM's GPU MLA prefill backends take (qk_nope 128, rope 64,
+# v 128) and the latent its decode kernels take (kv_lora 512); q_lora as the target's (Kimi) or 3x its heads (SmolLM2)
+MLA_HEADS = ["draft.attention=mla", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=128",
+             "draft.qk_rope_head_dim=64", "draft.v_head_dim=128", "export.formats=[reference]"]
 
 
 @dataclass
@@ -101,9 +105,15 @@ PHASES = [
     # runners (the MRv2 job starts from the V1 job's 01_data)
     [[Job("learned-kimi-build", "configs/demo_kimi_gpu.yaml",
           bench=["-m", "eagle3_pipeline", "stand-ins", "tiny-kimi-k25-learned"]),
-      Job("learned-kimi-v1", "configs/demo_kimi_gpu.yaml", ALL, [], {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
-     [Job("learned-kimi-mrv2", "configs/demo_kimi_gpu.yaml", ALL[1:], [], {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-          "learned-kimi-v1")]],
+      Job("learned-kimi-v1", "configs/demo_kimi_gpu.yaml", ALL, SHARE, {"VLLM_USE_V2_MODEL_RUNNER": "0"})],
+     [Job("learned-kimi-mrv2", "configs/demo_kimi_gpu.yaml", ALL[1:], SHARE, {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+          "learned-kimi-v1")],
+     # the MLA draft on the same 01-03 (04-06; 06 once more under MRv2), and on SmolLM2 (a dense target), 01-06
+     [Job("learned-kimi-mla", "configs/demo_kimi_gpu.yaml", ALL[3:], [*SHARE, *MLA_HEADS, "draft.q_lora_rank=64"],
+          {}, "learned-kimi-v1"),
+      Job("learned-kimi-mla-mrv2", "configs/demo_kimi_gpu.yaml", ALL[5:], [*SHARE, *MLA_HEADS, "draft.q_lora_rank=64"],
+          {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "learned-kimi-mla")],
+     [Job("smollm2-mla", "configs/demo_gpu.yaml", ALL, [*SHARE, *MLA_HEADS, "draft.q_lora_rank=192"])]],
 ]
 LOCK = threading.Lock()
 
