@@ -41,9 +41,12 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
     check_model_runner_choice({**os.environ, **environment})
-    if on_cpu() and serves_mla_draft(settings) and not is_mla(text_config(model_dir)):
-        raise ConfigError("vLLM CPU serves an MLA draft (draft.attention mla) only on an MLA target: the draft's "
-                          "CPU_MLA backend keeps KV blocks of 16 and the target's CPU_ATTN multiples of 32")
+    if serves_mla_draft(settings) and not is_mla(text_config(model_dir)):
+        raise ConfigError("vLLM serves an MLA draft (draft.attention mla) only on an MLA target: "
+                          + ("vLLM CPU's draft CPU_MLA backend keeps KV blocks of 16 and the target's CPU_ATTN "
+                             "multiples of 32" if on_cpu() else
+                             "vLLM GPU (0.26 to 0.34) picks the draft's MLA prefill backend by the target's MLA "
+                             "head dims, which a dense target lacks"))
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
     if environment.get("VLLM_USE_V2_MODEL_RUNNER") == "0":

@@ -54,9 +54,10 @@ def test_gpu_engine_runs_an_mla_target_with_a_draft_on_v1_and_takes_an_explicit_
     assert engine.engine_settings(target, mla, speculative_config=EAGLE3)[1] == {}
 
 
-def test_an_mla_draft_shares_an_mla_targets_attention_and_is_refused_beside_a_dense_one_on_cpu(monkeypatch, tmp_path):
+def test_an_mla_draft_shares_an_mla_targets_attention_and_is_refused_beside_a_dense_one(monkeypatch, tmp_path):
     """An MLA draft (draft.attention mla) on an MLA target needs neither VLLM_MLA_DISABLE (CPU) nor V1 (GPU):
-    both use the same MLA backend. vLLM CPU cannot pair an MLA draft with a dense target: refused before load."""
+    both use the same MLA backend. vLLM cannot pair an MLA draft with a dense target (CPU: KV block sizes; GPU:
+    the MLA prefill backend is picked by the target's head dims): refused before load."""
     mla, dense, draft = tmp_path / "mla", tmp_path / "dense", tmp_path / "draft"
     for folder, config in ((mla, {"text_config": {"kv_lora_rank": 16}}), (dense, {"num_key_value_heads": 3}),
                            (draft, {"model_type": "deepseek_v2", "kv_lora_rank": 512})):
@@ -70,10 +71,11 @@ def test_an_mla_draft_shares_an_mla_targets_attention_and_is_refused_beside_a_de
         assert "VLLM_MLA_DISABLE" not in environment and "VLLM_USE_V2_MODEL_RUNNER" not in environment
     assert engine.serves_mla_draft({"speculative_config": mla_draft})
     assert not engine.serves_mla_draft({"speculative_config": EAGLE3}) and not engine.serves_mla_draft({})
-    monkeypatch.setattr(engine, "on_cpu", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", None)  # refused before vLLM is imported
-    with pytest.raises(ConfigError, match="serves an MLA draft .* only on an MLA target"):
-        engine.start_engine(TargetConfig(path=str(dense)), dense, speculative_config=mla_draft)
+    for cpu, reason in ((True, "KV blocks"), (False, "prefill backend by the target's MLA head dims")):
+        monkeypatch.setattr(engine, "on_cpu", lambda cpu=cpu: cpu)
+        with pytest.raises(ConfigError, match=f"serves an MLA draft .* only on an MLA target: .*{reason}"):
+            engine.start_engine(TargetConfig(path=str(dense)), dense, speculative_config=mla_draft)
 
 
 def test_an_engines_environment_is_set_while_it_starts_and_restored_after(monkeypatch, tmp_path):
