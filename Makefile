@@ -41,8 +41,12 @@ ifeq ($(PLATFORM),cpu)
 endif
 	touch $@
 
+# Two processes, each taking a whole file at a time (module fixtures are built once); conftest.py orders the
+# files longest first. TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 demo: setup
 	$(PY) -m eagle3_pipeline config $(CONFIG)

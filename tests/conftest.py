@@ -28,6 +28,16 @@ def pytest_sessionstart(session) -> None:
         raise pytest.UsageError(f"missing test prerequisites: {', '.join(missing)}: run `make setup`")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files that start vLLM first, led by the one that builds the cached demo run three other files read, so
+    that `make test`'s processes (pytest-xdist, a whole file each at a time) end on short files together."""
+    vllm_files = {item.path for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: (item.path not in vllm_files, item.path.name != DEMO_RUN_BUILDER))
+
+
+DEMO_RUN_BUILDER = "test_speculative_regeneration.py"
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
