@@ -41,12 +41,12 @@ ifeq ($(PLATFORM),cpu)
 endif
 	touch $@
 
-# Two processes, each taking a whole file at a time (module fixtures are built once); conftest.py orders the
-# files longest first. TEST_WORKERS=0 runs the suite in this process alone.
+# Two processes, each on its own core and taking a whole file at a time (module fixtures are built once), in the
+# order conftest.py gives (longest first; xdist would otherwise order files by their number of tests). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: setup
 	$(PY) -m eagle3_pipeline config $(CONFIG)

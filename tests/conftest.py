@@ -28,14 +28,35 @@ def pytest_sessionstart(session) -> None:
         raise pytest.UsageError(f"missing test prerequisites: {', '.join(missing)}: run `make setup`")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test`'s processes (pytest-xdist), each process and all it starts keep to cores of their own:
+    torch's and vLLM's OpenMP threads would otherwise spin against the other process's on the same cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is None or count > len(cores):
+        return
+    own = cores[int(worker.removeprefix("gw"))::count]
+    os.sched_setaffinity(0, own)  # inherited by every subprocess, vLLM's engines included
+    os.environ.update(OMP_NUM_THREADS=str(len(own)), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, own)))
+    import torch
+
+    torch.set_num_threads(len(own))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files that start vLLM first, led by the one that builds the cached demo run three other files read, so
-    that `make test`'s processes (pytest-xdist, a whole file each at a time) end on short files together."""
+    """The longest files first, so that `make test`'s two processes (pytest-xdist, a whole file each at a time, in
+    this order) end together on short files: LONGEST_FIRST, then the other files that start vLLM, then the rest."""
     vllm_files = {item.path for item in items if item.get_closest_marker("vllm")}
-    items.sort(key=lambda item: (item.path not in vllm_files, item.path.name != DEMO_RUN_BUILDER))
+
+    def rank(item: pytest.Item) -> tuple[int, bool]:
+        name = item.path.name
+        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), item.path not in vllm_files)
+
+    items.sort(key=rank)
 
 
-DEMO_RUN_BUILDER = "test_speculative_regeneration.py"
+# the file that builds the cached demo run (three other files wait for it), then the tiny Kimi's 01-06
+LONGEST_FIRST = ("test_speculative_regeneration.py", "test_pipeline_tiny_kimi.py")
 
 
 def installed(module: str) -> bool:
