@@ -42,7 +42,8 @@ endif
 	touch $@
 
 # Two processes, each on its own core and taking a whole file at a time (module fixtures are built once), in the
-# order conftest.py gives (longest first; xdist would otherwise order files by their number of tests). TEST_WORKERS=0: one process.
+# order conftest.py gives (longest first; xdist would otherwise order files by their number of tests).
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: setup
