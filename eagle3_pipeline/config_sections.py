@@ -483,5 +483,6 @@ class ValidateConfig(Section):
     )
     max_tie_margin: float = Field(
         0.5, ge=0, description="a greedy output the draft changed is a bf16 near-tie when the target's logit margin "
-        "between the two tokens is at most this (reported); a larger margin fails the stage"
+        "between the two tokens is at most this (reported); a larger margin fails the stage unless it is the target's "
+        "own batch variance (docs/06_validate.md)"
     )

@@ -96,18 +96,30 @@ class Divergence:
     margin: float
     margin_exact: bool
     # where the target alone, one request at a time and without the draft, first departs from its batched output
-    # on this prompt (None: it writes the same); at `position` the target flips this token under another batch
-    # shape by itself, so the draft did not change it
+    # on this prompt (None: it writes the same), and the margin there between the batched token and its own (probed
+    # like `margin`): a sample of how far the target moves by itself when only the batch shape changes
     alone_departs_at: int | None = None
+    alone_margin: float | None = None  # None: no departure, or a token outside the top MAX_LOGPROBS
 
-    def verdict(self, max_tie_margin: float) -> str:
-        """NEAR_TIE (the target's margin within validate.max_tie_margin), BATCH_VARIANCE (the target alone flips
-        this very token under another batch shape) or CHANGED_BY_DRAFT, the one that fails 06."""
+    def verdict(self, max_tie_margin: float, batch_variance_margin: float = 0.0) -> str:
+        """NEAR_TIE (the target's margin within validate.max_tie_margin), BATCH_VARIANCE (the target's own batch
+        variance: a fresh prefill prefers the token written with the draft, the target alone flips this very token,
+        or the margin is within `batch_variance_margin`, the largest the target alone flips at on these prompts)
+        or CHANGED_BY_DRAFT, the one that fails 06."""
         if self.margin_exact and abs(self.margin) <= max_tie_margin:
             return NEAR_TIE
+        if self.margin_exact and (self.margin < 0 or self.margin <= batch_variance_margin):
+            return BATCH_VARIANCE
         if self.alone_departs_at == self.position:
             return BATCH_VARIANCE
         return CHANGED_BY_DRAFT
+
+
+def batch_variance_margin(divergences: list[Divergence]) -> float:
+    """The largest margin at which the target alone, without the draft, flips a token of its batched output on
+    these prompts: what the target's numerics move by themselves when only the batch shape changes (an MoE router
+    in bf16 picks other experts; 0.0 when the target never flips alone)."""
+    return max((abs(d.alone_margin) for d in divergences if d.alone_margin is not None), default=0.0)
 
 
 NEAR_TIE, BATCH_VARIANCE, CHANGED_BY_DRAFT = "bf16 near-tie", "the target's own batch variance", "changed by the draft"
@@ -218,9 +230,7 @@ def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], pla
                       drafted: list[list[int]], params) -> list[Divergence]:
     """Each prompt whose drafted output differs from the plain one: the first differing position, the target's
     log-probability margin between the two tokens there on the common prefix, and where the target alone (the
-    prompt by itself, greedy `params`) departs from its batched output."""
-    from vllm import SamplingParams
-
+    prompt by itself, greedy `params`) departs from its batched output, with the target's margin there."""
     found = []
     for index, (a, b) in enumerate(zip(plain, drafted)):
         position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -228,20 +238,38 @@ def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], pla
             found.append((index, position, a[position], b[position]))
     if not found:
         return []
+    alone = [list(llm.generate([request(prompts[index].token_ids, prompts[index].images, vision)], params,
+                                use_tqdm=False)[0].outputs[0].token_ids) for index, _, _, _ in found]
+    departs = [first_difference(plain[index], own) for (index, _, _, _), own in zip(found, alone)]
+    # the target's own flips: where it alone leaves its batched output (not where one output merely ends first)
+    flips = [(index, at, plain[index][at], own[at]) for (index, _, _, _), own, at in zip(found, alone, departs)
+             if at is not None and at < min(len(plain[index]), len(own))]
+    margins = probe_margins(llm, vision, prompts, plain, found + flips)
+    flip_margins = {index: margin for (index, _, _, _), margin in zip(flips, margins[len(found):])}
+    divergences = []
+    for (index, position, without, with_draft), (margin, exact), at in zip(found, margins, departs):
+        alone_margin, alone_exact = flip_margins.get(index, (None, False))
+        divergences.append(Divergence(index, prompts[index].source, position, without, with_draft, margin, exact,
+                                      alone_departs_at=at, alone_margin=alone_margin if alone_exact else None))
+    return divergences
+
+
+def probe_margins(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],
+                  probes: list[tuple[int, int, int, int]]) -> list[tuple[float, bool]]:
+    """For each (prompt, position, token a, token b): log p(a) - log p(b) on a fresh prefill of the prompt and the
+    plain output before `position`, and whether both tokens were in the top MAX_LOGPROBS (else the one outside
+    counts at the lowest of them)."""
+    from vllm import SamplingParams
+
     probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=MAX_LOGPROBS)
     requests = [request(prompts[i].token_ids + plain[i][:position], prompts[i].images, vision)
-                for i, position, _, _ in found]
-    divergences = []
-    for (index, position, without, with_draft), result in zip(found, llm.generate(requests, probe, use_tqdm=False)):
+                for i, position, _, _ in probes]
+    margins = []
+    for (_, _, a, b), result in zip(probes, llm.generate(requests, probe, use_tqdm=False)):
         logprobs = {token: lp.logprob for token, lp in result.outputs[0].logprobs[0].items()}
         floor = min(logprobs.values())  # a token outside the top ones has at most this
-        margin = logprobs.get(without, floor) - logprobs.get(with_draft, floor)
-        alone = llm.generate([request(prompts[index].token_ids, prompts[index].images, vision)], params,
-                             use_tqdm=False)[0].outputs[0].token_ids
-        divergences.append(Divergence(index, prompts[index].source, position, without, with_draft, margin,
-                                      margin_exact=without in logprobs and with_draft in logprobs,
-                                      alone_departs_at=first_difference(plain[index], list(alone))))
-    return divergences
+        margins.append((logprobs.get(a, floor) - logprobs.get(b, floor), a in logprobs and b in logprobs))
+    return margins
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -80,18 +80,19 @@ def benchmark_table(report: dict) -> str:
 
 def divergence_table(report: dict) -> str:
     rows = ["| k | eval prompt | source | token | without draft | with draft | target's logit margin "
-            "| target alone departs at | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+            "| target alone departs at | its margin there | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for d in run["divergences"]:
             margin = f"{d['margin']:.3f}" if d["margin_exact"] else f">= {d['margin']:.3f}"
             rows.append(f"| {run['num_speculative_tokens']} | {d['prompt']} | {d['source']} | {d['position']} | "
                         f"{d['without_draft']} | {d['with_draft']} | {margin} | "
-                        f"{alone_cell(d['alone_departs_at'])} | {d['verdict']} |")
+                        f"{alone_cell(d['alone_departs_at'])} | {alone_cell(d['alone_margin'], '.3f')} | "
+                        f"{d['verdict']} |")
     return "\n".join(rows) if len(rows) > 2 else "none: every greedy output is the same with and without the draft"
 
 
-def alone_cell(position: int | None) -> str:
-    return "-" if position is None else str(position)
+def alone_cell(value: float | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def write_reports(folder: Path, report: dict) -> None:
@@ -125,8 +126,11 @@ def markdown(report: dict) -> str:
                   "## Greedy outputs that differ with the draft", "", divergence_table(report),
                   "", f"A bf16 near-tie: the target's margin between the two tokens is at most validate.max_tie_margin "
                   f"({report['max_tie_margin']}) on a fresh prefill of the common prefix. The target's own batch "
-                  "variance: the target alone, the prompt by itself without the draft, leaves its batched output "
-                  "at that same token.", ""]
+                  "variance: a fresh prefill prefers the token written with the draft (a negative margin), or the "
+                  "target alone, the prompt by itself without the draft, leaves its batched output at that same "
+                  "token, or the margin is at most the largest at which the target alone leaves its batched output "
+                  f"on these prompts ({report['batch_variance_margin']:.3f}: an MoE router in bf16 picks other "
+                  "experts when the batch changes).", ""]
     lines += ["## Serving", "", "```", report["serving_command"], "```", ""]
     return "\n".join(lines)
 

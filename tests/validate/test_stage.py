@@ -61,8 +61,8 @@ def test_a_changed_greedy_output_fails_unless_the_target_was_near_a_tie():
     problems = dynamic_problems([run], step0=0.45, validate=VALIDATE)
     assert problems == [
         "k=3: the greedy output of eval prompt 3 (mtbench) differs from the one without the draft at token 7 (12 "
-        "instead of 11) where the target's logit margin is 1.500 > validate.max_tie_margin 0.5: the draft changed "
-        "what the target writes",
+        "instead of 11) where the target's logit margin is 1.500 > validate.max_tie_margin 0.5 and > the target's "
+        "own batch variance 0.000: the draft changed what the target writes",
         "k=3: the greedy output of eval prompt 4 (humaneval) differs from the one without the draft at token 0 (12 "
         "instead of 11) where the target's logit margin is at least 0.100 (a token outside its top 20): the draft "
         "changed what the target writes"]
@@ -75,6 +75,62 @@ def test_a_token_the_target_flips_alone_under_another_batch_shape_is_not_the_dra
     run.divergences = [departs_there, departs_earlier]
     problems = dynamic_problems([run], step0=0.45, validate=VALIDATE)
     assert [p.split(" (")[0] for p in problems] == ["k=3: the greedy output of eval prompt 4"]
+
+
+def test_the_target_alone_sets_how_far_its_batch_variance_reaches():
+    # prompt 5: the target alone flips a token at margin 1.25 by itself; so a margin of 1.0 elsewhere is within
+    # the target's own variance, 1.5 is not; a negative margin means a fresh prefill prefers the drafted token
+    flips_alone = Divergence(5, "gsm8k", 30, 11, 12, margin=0.1, margin_exact=True, alone_departs_at=20,
+                             alone_margin=-1.25)
+    within = Divergence(6, "gsm8k", 9, 11, 12, margin=1.0, margin_exact=True)
+    beyond = Divergence(7, "gsm8k", 9, 11, 12, margin=1.5, margin_exact=True)
+    preferred = Divergence(8, "gsm8k", 9, 11, 12, margin=-3.0, margin_exact=True)
+    first, second = served(100, [40, 20, 10]), served(100, [40, 20, 10])
+    first.divergences, second.divergences = [flips_alone, within, preferred], [beyond]
+    problems = dynamic_problems([first, second], step0=0.45, validate=VALIDATE)  # the bound holds across runs
+    assert [p.split(" (")[0] for p in problems] == ["k=3: the greedy output of eval prompt 7"]
+    assert "> the target's own batch variance 1.250" in problems[0]
+    first.divergences = [within, preferred]  # without the flip, 1.0 is the draft's
+    assert [p.split(" (")[0] for p in dynamic_problems([first], 0.45, VALIDATE)] == [
+        "k=3: the greedy output of eval prompt 6"]
+
+
+class ProbedEngine:
+    """`llm.generate` as probe_divergences calls it: greedy runs of a prompt alone, and one-token probes that return
+    the log-probabilities set for their prefix."""
+
+    def __init__(self, alone: dict[tuple, list[int]], logprobs: dict[tuple, dict[int, float]]):
+        self.alone, self.logprobs = alone, logprobs
+
+    def generate(self, requests, params, use_tqdm=False):
+        from types import SimpleNamespace as Record
+        results = []
+        for prompt in requests:
+            ids = tuple(prompt["prompt_token_ids"])
+            if params.logprobs:
+                ranked = {token: Record(logprob=lp) for token, lp in self.logprobs[ids].items()}
+                results.append(Record(outputs=[Record(token_ids=[], logprobs=[ranked])]))
+            else:
+                results.append(Record(outputs=[Record(token_ids=self.alone[ids], logprobs=None)]))
+        return results
+
+
+def test_probe_divergences_measures_the_margin_where_the_target_alone_departs():
+    from vllm import SamplingParams
+
+    from eagle3_pipeline.validate.acceptance import EvalPrompt, batch_variance_margin, probe_divergences
+    prompts = [EvalPrompt("gsm8k", [1, 2]), EvalPrompt("gsm8k", [3]), EvalPrompt("gsm8k", [4])]
+    plain = [[7, 8, 9], [5, 6], [5]]
+    drafted = [[7, 8, 10], [5, 6], [6]]  # prompt 0 differs at token 2, prompt 2 at token 0
+    engine = ProbedEngine(
+        alone={(1, 2): [7, 4, 9], (4,): [5]},  # prompt 0 alone departs at token 1, prompt 2 not at all
+        logprobs={(1, 2, 7, 8): {9: -0.5, 10: -2.5}, (1, 2, 7): {8: -1.0, 4: -1.75}, (4,): {5: -0.25}})
+    first, second = probe_divergences(engine, None, prompts, plain, drafted, SamplingParams(temperature=0.0))
+    assert (first.prompt, first.position, first.margin, first.margin_exact) == (0, 2, 2.0, True)
+    assert (first.alone_departs_at, first.alone_margin) == (1, 0.75)
+    assert (second.prompt, second.position, second.margin_exact, second.alone_departs_at) == (2, 0, False, None)
+    assert second.margin == 0.0 and second.alone_margin is None  # token 6 outside the top ones counts at the floor
+    assert batch_variance_margin([first, second]) == 0.75
 
 
 def test_first_difference():
@@ -93,6 +149,6 @@ def test_the_divergence_table_gives_each_verdict():
                    Divergence(3, "gsm8k", 9, 11, 12, margin=2.0, margin_exact=True, alone_departs_at=5)]
     rows = [asdict(d) | {"verdict": d.verdict(0.5)} for d in divergences]
     table = divergence_table({"max_tie_margin": 0.5, "runs": [{"num_speculative_tokens": 3, "divergences": rows}]})
-    verdicts = [line.split(" | ")[-2:] for line in table.splitlines()[2:]]
-    assert verdicts == [["-", "bf16 near-tie |"], ["7", "the target's own batch variance |"],
-                        ["5", "changed by the draft |"]]
+    verdicts = [line.split(" | ")[-3:] for line in table.splitlines()[2:]]
+    assert verdicts == [["-", "-", "bf16 near-tie |"], ["7", "-", "the target's own batch variance |"],
+                        ["5", "-", "changed by the draft |"]]
