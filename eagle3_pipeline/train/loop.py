@@ -15,6 +15,7 @@ import time
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, set_seed
 from tqdm import tqdm
 
@@ -130,6 +131,9 @@ def make_accelerator(train) -> Accelerator:
     """DDP (or FSDP) over the launched processes; bf16 autocast over fp32 master weights when asked."""
     fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True) \
         if train.distributed == "fsdp" else None
+    # accelerate keeps one process-wide state that refuses another precision: a second run in this process resets it
+    if AcceleratorState._shared_state.get("_mixed_precision", train.mixed_precision) != train.mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=train.mixed_precision,

@@ -29,6 +29,14 @@ def records(run_dir, split="train") -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if r["split"] == split}
 
 
+def test_a_second_run_in_the_process_takes_another_precision():
+    """accelerate's process-wide state refuses a second Accelerator of another precision (the tests train in-process
+    under several configs): make_accelerator resets it."""
+    for precision in ("bf16", "no", "bf16"):
+        train = load_config(CONFIGS / "demo.yaml", [f"train.mixed_precision='{precision}'"]).train
+        assert loop.make_accelerator(train).mixed_precision == precision
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("choices", [{}, {"optimizer": "muon", "standardize_aux": True, "freeze_lm_head": True}],
                          ids=["adamw", "muon-standardized-frozen-head"])
