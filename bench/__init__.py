@@ -1,7 +1,7 @@
 """The benchmarks: each a module run from the project's root as `python -m bench.NAME` (bench/README.md lists
-each bench's question, hardware, output, latest result and command).
+each bench's question, hardware, output, latest result and command, and the retired ones).
 
-    harness              what they share: a phase clock, logged stage runs, cached and saved results, versions
+    harness              what they share: a command line, a phase clock, logged stage runs, cached and saved results
     report               rendering saved results into markdown and plots
     draft_eval           one teacher-forced evaluator for any speculators-format draft (04's own unroll)
     quality              draft quality on CPU: our trainer against speculators' (SmolLM2 stand-in)
@@ -9,9 +9,7 @@ each bench's question, hardware, output, latest result and command).
     speculators_trainer  speculators' own trainer on our stage outputs (used by both quality benches)
     gpu_pipeline         every stage on a GPU node, per stand-in, capture path and model runner
     capture_overhead     02's capture against the same engine's plain prefill
-    capture_handover     how fast captured states leave the GPU (the worker's recording path, without vLLM)
     stream               stream mode against offline on one machine
     train_throughput     04's step at the Kimi draft's shape against speculators' step
     train_scaling        04 on several GPUs against one: curves, tokens/s per GPU, cross-count resume
-    kimi_speedup         the speed-up predicted for Kimi-K2.5 on paper
 """

@@ -16,22 +16,25 @@ Tokens/s per engine (wall clock of the batches, engine start excluded) and captu
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
 from pathlib import Path
 
-
+from bench.harness import parser, save
 from eagle3_pipeline.capture.stage import load_samples
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
 
 def timed_batches(samples, batch_size: int, run_batch) -> float:
+    """Seconds to run every batch, after one unmeasured batch (the warm-up)."""
+    batches = [[(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]]
+               for start in range(0, len(samples), batch_size)]
+    run_batch(batches[0])
     started = time.perf_counter()
-    for start in range(0, len(samples), batch_size):
-        run_batch([(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]])
+    for batch in batches:
+        run_batch(batch)
     return time.perf_counter() - started
 
 
@@ -41,14 +44,30 @@ def shut_down(llm) -> None:
     gc.collect()
 
 
+def plain_engines(config, capturer_settings: dict) -> dict[str, dict]:
+    """The plain engines to measure: the capturer's settings, and the config's where they differ."""
+    configured_eager = config.target.engine.enforce_eager
+    engines = {"plain, capturer's settings": capturer_settings}
+    if capturer_settings.get("enforce_eager", configured_eager) != configured_eager:
+        engines["plain, config's settings"] = {"enable_prefix_caching": False}
+    return engines
+
+
+def summary(args, overrides: list[str], samples: list, tokens: int, batch_size: int, rows: dict) -> dict:
+    return {"config": args.config, "overrides": overrides, "samples": len(samples), "tokens": tokens,
+            "batch_size": batch_size, "engines": rows,
+            "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
+                                   for name, row in rows.items() if name != "capture"}}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
-    parser.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
-    parser.add_argument("--max-samples", type=int, default=2000)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("--config", required=True)
+    arguments.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
+    arguments.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
+    arguments.add_argument("--max-samples", type=int, default=2000)
+    arguments.add_argument("--out", type=Path, required=True)
+    args = arguments.parse_args()
 
     from eagle3_pipeline.capture.engine import (
         ExtractHiddenStatesCapturer,
@@ -66,38 +85,22 @@ def main() -> None:
     text = text_config(model_dir)
     method = choose_method(config.capture.method, text)
     samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"][: args.max_samples]
-    tokens = sum(len(s.input_ids) for s in samples)
-    batch_size = config.capture.batch_size
+    tokens, batch_size = sum(len(s.input_ids) for s in samples), config.capture.batch_size
     capturer_class = ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer
-    capturer_settings = capturer_class.ENGINE_SETTINGS
-    configured_eager = config.target.engine.enforce_eager
-    engines = {"plain, capturer's settings": capturer_settings}
-    if capturer_settings.get("enforce_eager", configured_eager) != configured_eager:
-        engines["plain, config's settings"] = {"enable_prefix_caching": False}
     rows = {}
-    for name, settings in engines.items():
+    for name, settings in plain_engines(config, capturer_class.ENGINE_SETTINGS).items():
         llm = start_engine(config.target, model_dir, **settings)
         vision = Vision.of_engine(llm, model_dir)
-
-        def prefill(batch):
-            llm.generate(*_prompts(batch, vision), use_tqdm=False)
-
-        prefill([(s.input_ids, list(s.images)) for s in samples[:batch_size]])  # warm-up
-        seconds = timed_batches(samples, batch_size, prefill)
-        rows[name] = {"settings": {"enforce_eager": configured_eager} | settings, "seconds": round(seconds, 2),
-                      "tokens_per_s": tokens / seconds}
+        seconds = timed_batches(samples, batch_size, lambda batch: llm.generate(*_prompts(batch, vision), use_tqdm=False))
+        rows[name] = {"settings": {"enforce_eager": config.target.engine.enforce_eager} | settings,
+                      "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
         shut_down(llm)
     capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]))
-    capturer.capture([(s.input_ids, list(s.images)) for s in samples[:batch_size]])  # warm-up
     seconds = timed_batches(samples, batch_size, capturer.capture)
     rows["capture"] = {"method": method, "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
     shut_down(capturer.llm)
-    result = {"config": args.config, "overrides": overrides, "samples": len(samples), "tokens": tokens,
-              "batch_size": batch_size, "engines": rows,
-              "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
-                                     for name, row in rows.items() if name != "capture"}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    result = summary(args, overrides, samples, tokens, batch_size, rows)
+    save(args.out, result)
     print(json.dumps(result, indent=2))
 
 

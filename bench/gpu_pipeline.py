@@ -13,12 +13,10 @@ keeps what it measured.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,8 +28,7 @@ import torch
 # imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-
-from bench.harness import ROOT
+from bench.harness import PY, cached, logged_call, parser, save, stage_cmd
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.data.dataset import open_split
@@ -162,67 +159,67 @@ def hf_check(config_path: str, overrides: list[str], run_dir: Path, samples: int
             "passed": bool(rows) and all(errors[name] < tolerance[name] for name in errors)}
 
 
-def run_bench(job: Job, out: Path, work: Path, results: dict) -> None:
-    command = [sys.executable, *(arg.replace("$WORK", str(work)).replace("$OUT", str(out)) for arg in job.bench)]
-    started = time.time()
-    log = out / f"{job.name}.log"
-    with open(log, "w") as f:
-        rc = subprocess.call(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **job.environment})
-    results[job.name] = {"exit": rc, "seconds": round(time.time() - started, 1),
-                         "command": "python " + " ".join(command[1:]).replace(str(work), "$WORK").replace(str(out), "$OUT"),
-                         "tail": log.read_text(errors="replace").splitlines()[-6:]}
+VALIDATE_KEYS = ("verdict", "problems", "mean_acceptance_length", "mean_request_acceptance_length",
+                 "greedy_identical_fraction", "without_speculation", "speed")
+VALIDATE_RUN_KEYS = ("num_speculative_tokens", "mean_acceptance_length", "mean_request_acceptance_length",
+                     "simulated_mean_acceptance_length", "tokens_per_s", "speedup", "speed", "skipped_parameters",
+                     "shared_from_target")
+
+
+def run_logged_step(job: Job, command: list[str], log: Path, work: Path, out: Path) -> dict:
+    """One command of a job with its environment, output in `log`: exit status, seconds, the command as a user
+    types it and the log's tail."""
+    rc, seconds = logged_call(command, log, {**os.environ, **job.environment})
+    shown = " ".join([*(f"{k}={v}" for k, v in job.environment.items()), "python", *command[1:]])
+    return {"exit": rc, "seconds": round(seconds, 1), "command": shown.replace(str(work), "$WORK").replace(str(out), "$OUT"),
+            "tail": log.read_text(errors="replace").splitlines()[-6:]}
+
+
+def save_results(out: Path, results: dict) -> None:
     with LOCK:
-        (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=2, default=str))
+        save(out / "gpu_pipeline.json", results)
+
+
+def copy_earlier_stages(job: Job, work: Path, results: dict) -> str | None:
+    """The stages before the job's first from the job it starts from, once that job has them; why not, if not."""
+    for name in ALL[: ALL.index(job.stages[0])]:
+        while not (work / job.copy_from / name / "manifest.json").exists():  # another chain makes it
+            if any(stage["exit"] != 0 for stage in results.get(job.copy_from, {}).get("stages", {}).values()):
+                return f"{job.copy_from} failed before its {name}"
+            time.sleep(5)
+        shutil.copytree(work / job.copy_from / name, work / job.name / name, dirs_exist_ok=True)
+    return None
 
 
 def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
     if job.bench:
-        return run_bench(job, out, work, results)
+        command = [PY, *(arg.replace("$WORK", str(work)).replace("$OUT", str(out)) for arg in job.bench)]
+        results[job.name] = run_logged_step(job, command, out / f"{job.name}.log", work, out)
+        return save_results(out, results)
     run_dir = work / job.name
     record = results[job.name] = {"config": job.config, "overrides": job.overrides, "environment": job.environment,
                                   "stages": {}}
-    if job.copy_from:
-        first = ALL.index(job.stages[0])
-        for name in ALL[:first]:
-            while not (work / job.copy_from / name / "manifest.json").exists():  # another chain makes it
-                source = results.get(job.copy_from, {}).get("stages", {})
-                if any(stage["exit"] != 0 for stage in source.values()):
-                    record["skipped"] = f"{job.copy_from} failed before its {name}"
-                    return
-                time.sleep(5)
-            shutil.copytree(work / job.copy_from / name, run_dir / name, dirs_exist_ok=True)
+    if job.copy_from and (reason := copy_earlier_stages(job, work, results)):
+        record["skipped"] = reason
+        return
     overrides = [override.replace("$WORK", str(work)) for override in job.overrides]
-    sets = [arg for override in [*overrides, f"run_dir={run_dir}"] for arg in ("--set", override)]
     for name in job.stages:
-        command = [sys.executable, SCRIPTS[name], "--config", job.config, *sets]
-        started = time.time()
-        log = out / f"{job.name}-{name}.log"
-        with open(log, "w") as f:
-            rc = subprocess.call(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **job.environment})
-        stage = record["stages"][name] = {"exit": rc, "seconds": round(time.time() - started, 1),
-                                          "command": " ".join(f"{k}={v}" for k, v in job.environment.items())
-                                          + " python " + " ".join(command[1:]).replace(str(work), "$WORK")}
-        stage["tail"] = log.read_text(errors="replace").splitlines()[-6:]
-        if name == "02_hidden_states" and rc == 0:
+        command = stage_cmd(SCRIPTS[name], job.config, [*overrides, f"run_dir={run_dir}"])
+        stage = record["stages"][name] = run_logged_step(job, command, out / f"{job.name}-{name}.log", work, out)
+        if name == "02_hidden_states" and stage["exit"] == 0:
             try:
                 record["hf_check"] = hf_check(job.config, overrides, run_dir)
             except Exception as err:  # noqa: BLE001 - recorded as the check's result
                 record["hf_check"] = {"passed": False, "error": repr(err)[:500]}
         if name == "06_validate":
-            report = json.loads((run_dir / name / "report.json").read_text()) if (run_dir / name / "report.json").exists() else {}
-            record["validate"] = {key: report.get(key) for key in
-                                  ("verdict", "problems", "mean_acceptance_length", "mean_request_acceptance_length",
-                                   "greedy_identical_fraction", "without_speculation", "speed")}
-            record["validate"]["runs"] = [{k: r.get(k) for k in ("num_speculative_tokens", "mean_acceptance_length",
-                                            "mean_request_acceptance_length", "simulated_mean_acceptance_length", "tokens_per_s", "speedup", "speed",
-                                            "skipped_parameters", "shared_from_target")} for r in report.get("runs", [])]
+            report = cached(run_dir / name / "report.json") or {}
+            record["validate"] = {key: report.get(key) for key in VALIDATE_KEYS}
+            record["validate"]["runs"] = [{k: r.get(k) for k in VALIDATE_RUN_KEYS} for r in report.get("runs", [])]
         for manifest in (run_dir / name).glob("manifest.json"):
             stage["manifest"] = {k: v for k, v in json.loads(manifest.read_text()).items()
                                  if k in ("counts", "timings", "extra", "versions")}
-        with LOCK:
-            (out / "gpu_pipeline.json").write_text(json.dumps(results, indent=2, default=str))
-        if rc != 0:
+        save_results(out, results)
+        if stage["exit"] != 0:
             break
 
 
@@ -231,11 +228,11 @@ def plugin_installed() -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_runs"))
-    parser.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("--out", type=Path, required=True)
+    arguments.add_argument("--work", type=Path, default=Path("/tmp/gpu_runs"))
+    arguments.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
+    args = arguments.parse_args()
     if not plugin_installed():  # else every job would build or prepare for minutes and then stop at 02
         sys.exit(f"error: the entry point {PLUGIN_NAME!r} is not installed here: install the project "
                  "(pip install --no-deps --no-build-isolation -e .) before running the stages")

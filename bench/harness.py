@@ -1,8 +1,11 @@
-"""What the benches share: where things are, a phase clock, logged subprocess runs of the stage scripts, cached
-and saved results, package versions and the spread of a figure over seeds."""
+"""What the benches share: where things are, a command line, a phase clock, logged subprocess runs of the stage
+scripts, cached and saved results, package versions, the spread of a figure over seeds, stand-ins for packages
+speculators imports but never calls."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -17,6 +20,17 @@ from eagle3_pipeline.stage_io import package_versions
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A bench's command line, its module docstring as `--help`."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def offline() -> None:
+    """Hugging Face's hub unasked: the stand-ins and the wheels' data are local."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 class Clock:
@@ -40,9 +54,9 @@ class Clock:
 LAST_CPU_S: list[float] = [0.0]  # CPU seconds (user + sys) of the last run_logged command and its children
 
 
-def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
-    """Run a command from the project's root with its output in `log`; wall seconds (its CPU seconds in
-    LAST_CPU_S). Raises with the log's tail on failure."""
+def logged_call(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
+    """Run a command from the project's root with its output in `log` (the command line first): its exit status
+    and wall seconds (its CPU seconds in LAST_CPU_S)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
@@ -53,6 +67,12 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> 
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     LAST_CPU_S[0] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)
+    return code, seconds
+
+
+def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
+    """logged_call's wall seconds; raises with the log's tail on failure."""
+    code, seconds = logged_call(cmd, log, env)
     if code:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{' '.join(cmd[:2])} failed ({code}); {log}:\n{tail}")
@@ -69,9 +89,22 @@ def cached(path: Path, force: bool = False):
     return None if force or not path.exists() else json.loads(path.read_text())
 
 
-def save(path: Path, data) -> None:
+def save(path: Path, data, indent: int = 2) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(data, indent=indent, default=str) + "\n")
+
+
+def failure(err: BaseException, limit: int = 2000) -> str:
+    """An exception as a result records it (one failed variant is reported, the others go on)."""
+    return f"{type(err).__name__}: {err}"[:limit]
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): what a wall-clock measurement of GPU work needs."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def versions() -> dict[str, str]:
@@ -95,3 +128,25 @@ def spread_text(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
     return f"{statistics.fmean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+# speculators imports these at module level (its data and client modules); no bench calls them
+IMPORTED_NOT_CALLED = {"datasets": (), "openai": ("types", "types.chat", "types.completion")}
+STAND_IN = ("def __getattr__(name):  # empty stand-in: imported by speculators, never called\n"
+            "    if name.startswith('__'):\n        raise AttributeError(name)\n    return type(name, (), {})\n")
+
+
+def stand_ins(folder: Path, packages: dict[str, tuple[str, ...]] = IMPORTED_NOT_CALLED) -> str | None:
+    """Empty packages (their named submodules too) under `folder` for those of `packages` not installed: appended
+    to sys.path here; returns the folder for a launched process's PYTHONPATH (None: nothing missing)."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    for name in missing:
+        for module in ("", *packages[name]):
+            path = folder.joinpath(name, *filter(None, module.split(".")), "__init__.py")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(STAND_IN)
+    if not missing:
+        return None
+    print(f"note: {', '.join(missing)} not installed: empty stand-ins in {folder}", flush=True)
+    sys.path.append(str(folder))
+    return str(folder)

@@ -27,15 +27,7 @@ per eval source, beside vLLM's). Every figure is the mean over the seeds, with m
 bench/results/quality.json, quality.md and quality.png.
 
 Work is kept under --run-dir (default runs/bench_quality): a rerun skips what is complete (stages no-op, runs
-cached in bench_*.json files); --force-train retrains and remeasures. Options:
-
-    --seeds 0 1 2  --ks 3 5  --max-prompts all  --max-tokens 48  --config configs/demo.yaml
-    --max-steps 128                  the training budget: our optimizer steps of one 1024-row pack (speculators
-                                     gets the same tokens); 'config' = the config's train.max_steps
-    --reuse-01 runs/demo/01_data     copy a finished 01_data of the same config instead of generating it
-    --variants NAME ... [--variant-seeds 0 --variant-ks 3]   ablations (see ABLATIONS), measured like the four
-    --train-only                     stop after the trainings (e.g. to train ablations while engines run)
-
+cached in bench_*.json files); --force-train retrains and remeasures; --variants adds ablations (ABLATIONS).
 The work folder is runs/bench_quality/<hash of the sections stages 01-03 read>/ (config.yaml inside): a config
 edited there gets a fresh one. Each draft's folder in it, <name>_seed<seed>_<hash>, is named by what that draft
 depends on besides (ours: its draft/train/export sections; speculators': the token budget, batch shape, flags),
@@ -44,7 +36,6 @@ so an edited train: section retrains our drafts and keeps the stages and specula
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -53,12 +44,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import LAST_CPU_S, PY, ROOT, Clock, cached, run_logged, save, spread, stage_cmd
+from bench.harness import LAST_CPU_S, PY, ROOT, Clock, cached, offline, parser, run_logged, save, spread, stage_cmd
 from bench.report import render
 from eagle3_pipeline.acceptance import metric_key
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline()
 # speculators' three norm flags for our trainer (norm_before_fc normalises what train.standardize_aux would scale)
 SPECULATORS_NORMS = ["draft.norm_before_fc=true", "draft.norm_output=true", "draft.norm_before_residual=true",
                      "train.standardize_aux=false"]
@@ -85,15 +75,6 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ helpers
-def link_shared(run_dir: Path, shared: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("01_data", "02_hidden_states", "03_vocab"):
-        link = run_dir / name
-        if not link.exists():
-            link.symlink_to(os.path.relpath(shared / name, run_dir))
-
-
 # ----------------------------------------------------------------------------------------- token budgets
 def our_token_budget(config) -> int:
     """Rows (tokens after the one-token shift) our 04 trains on: its own pack stream, max_steps global batches."""
@@ -101,8 +82,7 @@ def our_token_budget(config) -> int:
     from eagle3_pipeline.pack_plan import run_pack_stream
 
     train = config.train
-    split = open_split(Path(config.run_dir) / "01_data", "train")
-    stream = run_pack_stream(config, split["seq_len"])
+    stream = run_pack_stream(config, open_split(Path(config.run_dir) / "01_data", "train")["seq_len"])
     packs = train.max_steps * train.micro_batch_size * train.grad_accumulation  # one process
     return int(sum(stream.rows_per_sample[list(stream.pack(p))].sum() for p in range(packs)))
 
@@ -122,16 +102,15 @@ def matched_steps(batch_rows: list[int], budget: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------ phases
 def shared_stages(args, clock: Clock, shared: Path) -> dict[str, float]:
     """Stages 01-03 once for every draft; seconds per stage (from its manifest when it was already complete)."""
-    overrides = [f"run_dir={shared}"]
     if args.reuse_01 and not (shared / "01_data" / "manifest.json").exists():
         shutil.copytree(args.reuse_01, shared / "01_data", symlinks=True)
         clock.say(f"01_data copied from {args.reuse_01}")
     stage_seconds = {}
     for script in SHARED_STAGES:
-        seconds = run_logged(stage_cmd(script, args.config, overrides), shared / "logs" / f"{script[:2]}.log")
+        seconds = run_logged(stage_cmd(script, args.config, [f"run_dir={shared}"]), shared / "logs" / f"{script[:2]}.log")
         clock.phase(f"stage {script}", seconds)
-        stage_dir = next(shared.glob(f"{script[:2]}_*/manifest.json"))
-        stage_seconds[script] = max(seconds, json.loads(stage_dir.read_text())["timings_s"]["total"])
+        manifest = next(shared.glob(f"{script[:2]}_*/manifest.json"))
+        stage_seconds[script] = max(seconds, json.loads(manifest.read_text())["timings_s"]["total"])
     return stage_seconds
 
 
@@ -145,21 +124,24 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
     overrides.insert(0, f"run_dir={run_dir}")
     record = cached(run_dir / "bench_train.json", args.force_train)
     if record is None:
-        link_shared(run_dir, shared)
+        for stage in ("01_data", "02_hidden_states", "03_vocab"):  # the shared stages, linked
+            (run_dir / stage).parent.mkdir(parents=True, exist_ok=True)
+            if not (run_dir / stage).exists():
+                (run_dir / stage).symlink_to(os.path.relpath(shared / stage, run_dir))
         force = ["--force"] if args.force_train else []
         seconds = run_logged(stage_cmd("04_train.py", args.config, overrides, *force), run_dir / "logs" / "04.log")
         cpu_s = LAST_CPU_S[0]
         run_logged(stage_cmd("05_export.py", args.config, overrides, "--force"), run_dir / "logs" / "05.log")
         manifest = json.loads((run_dir / "04_train" / "manifest.json").read_text())
         config = load_config(args.config, overrides)
-        eval_records = [json.loads(line) for line in (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
-                        if '"eval"' in line]
+        evals = [json.loads(line) for line in (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+                 if '"eval"' in line]
         record = {
-            "trainer": name, "seed": seed, "run_dir": str(run_dir), "overrides": overrides, "train_wall_s": round(seconds, 1),
-            "train_cpu_s": cpu_s,
+            "trainer": name, "seed": seed, "run_dir": str(run_dir), "overrides": overrides,
+            "train_wall_s": round(seconds, 1), "train_cpu_s": cpu_s,
             "train_tokens": manifest["counts"]["train_tokens_this_launch"],
             "train_tokens_planned": our_token_budget(config), "optimizer_steps": config.train.max_steps,
-            "own_eval": {k: v for k, v in eval_records[-1].items() if k.startswith(("acc_", "loss_"))},
+            "own_eval": {k: v for k, v in evals[-1].items() if k.startswith(("acc_", "loss_"))},
             "own_eval_definition": "04 metrics.jsonl, last eval record: teacher-forced top-1 agreement per TTT step",
             # 04's own simulated acceptance (fp32 checkpoint): the shared evaluator's, on the bf16 export, beside it
             "simulated_by_04": manifest["counts"].get("simulated_acceptance"),
@@ -171,92 +153,43 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
     return record
 
 
-def device_flags() -> list[str]:
-    """The `speculators train` flags its defaults need on this machine."""
-    import torch
-
-    if torch.cuda.is_available():
-        # its fused loss is a Triton kernel that fails under torch 2.11 (bench/train_throughput.py); the loader's
-        # processes are capped so that several trainings share the node's cores
-        return ["--loss-implementation", "eager", "--num-workers", "4"]
-    # CPU: flex attention has no CPU backward, the fused loss is a Triton kernel, 2 cores, fp32 as ours
-    return ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-            "--hidden-states-dtype", "float32"]
-
-
 def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, config, name: str = "speculators",
                       extra: list[str] = ()) -> dict:
-    from bench.speculators_trainer import train_batches, write_dataset
+    """`speculators train` at our draft's shape and vocabulary on our 01-03, for the tokens ours trains on."""
+    from bench.speculators_trainer import device_flags, outputs, train_batches, write_dataset
     from eagle3_pipeline.stage_io import fingerprint
+    from eagle3_pipeline.target import target_path
 
     data_dir = args.run_dir / "speculators_data"
     facts = write_dataset(shared, data_dir)
-    inputs = {"budget": budget, "packed_length": config.train.packed_length, "extra": list(extra)}
+    total_seq_len = config.train.packed_length
+    inputs = {"budget": budget, "packed_length": total_seq_len, "extra": list(extra)}
     run_dir = args.run_dir / f"{name}_seed{seed}_{fingerprint(inputs)[:6]}"
     record = cached(run_dir / "bench_train.json", args.force_train)
     if record is not None:
         clock.phase(f"train {name} seed {seed}", record["train_wall_s"])
         return record
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # its trainer resumes from checkpoints it finds: start clean
-    total_seq_len = config.train.packed_length
+    shutil.rmtree(run_dir, ignore_errors=True)  # its trainer resumes from checkpoints it finds: start clean
     batches = train_batches(data_dir, total_seq_len, facts["train_data_ratio"], seed, epochs=50)
     max_steps, tokens = matched_steps(batches, budget)
     per_epoch = len(train_batches(data_dir, total_seq_len, facts["train_data_ratio"], seed, epochs=1))
     epochs = -(-max_steps // per_epoch)  # its loop runs whole epochs; max_steps cuts the last one
-    from eagle3_pipeline.target import target_path
-
-    verifier = target_path(config.target)
-    cmd = [
-        PY, "-m", "bench.speculators_trainer",
-        "--verifier-name-or-path", str(verifier),
-        "--data-path", str(data_dir),
-        "--save-path", str(run_dir / "checkpoints"),
-        "--log-dir", str(run_dir / "logs"),
-        "--seed", str(seed),
-        # same shape: its defaults already synthesise 576 / 9 x 64 / 3 KV / 1536 from the verifier; the vocab:
-        "--draft-vocab-size", str(config.draft.draft_vocab_size),
-        "--d2t-path", str(shared / "03_vocab" / "d2t.npy"),
-        "--t2d-path", str(shared / "03_vocab" / "t2d.npy"),
-        "--target-layer-ids", *[str(i) for i in facts["aux_layer_ids"]],
-        # same data, same budget, same batch
-        "--train-data-ratio", repr(facts["train_data_ratio"]),
-        "--total-seq-len", str(total_seq_len),
-        "--max-steps", str(max_steps),
-        "--epochs", str(epochs),
-        "--on-missing", "raise",
-        *device_flags(),
-        *extra,
-    ]
+    cmd = [PY, "-m", "bench.speculators_trainer", "--verifier-name-or-path", str(target_path(config.target)),
+           "--data-path", str(data_dir), "--save-path", str(run_dir / "checkpoints"),
+           "--log-dir", str(run_dir / "logs"), "--seed", str(seed),
+           # same shape: its defaults already synthesise 576 / 9 x 64 / 3 KV / 1536 from the verifier; the vocab:
+           "--draft-vocab-size", str(config.draft.draft_vocab_size), "--d2t-path", str(shared / "03_vocab" / "d2t.npy"),
+           "--t2d-path", str(shared / "03_vocab" / "t2d.npy"), "--target-layer-ids", *map(str, facts["aux_layer_ids"]),
+           # same data, same budget, same batch
+           "--train-data-ratio", repr(facts["train_data_ratio"]), "--total-seq-len", str(total_seq_len),
+           "--max-steps", str(max_steps), "--epochs", str(epochs), "--on-missing", "raise", *device_flags(), *extra]
     seconds = run_logged(cmd, run_dir / "train.log")
     record = {"trainer": name, "seed": seed, "run_dir": str(run_dir), "command": cmd, "train_wall_s": round(seconds, 1),
               "train_cpu_s": LAST_CPU_S[0], "train_tokens": tokens, "optimizer_steps": max_steps, "epochs": epochs,
-              "batches_per_epoch": per_epoch, **speculators_outputs(run_dir)}
+              "batches_per_epoch": per_epoch, **outputs(run_dir)}
     save(run_dir / "bench_train.json", record)
     clock.phase(f"train {name} seed {seed}", seconds)
     return record
-
-
-def speculators_outputs(run_dir: Path) -> dict:
-    """What a finished `speculators train` left in `run_dir`: its last checkpoint copied to export/, its own
-    validation figures and resolved config."""
-    checkpoints = sorted((p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    export = run_dir / "export"
-    export.mkdir(exist_ok=True)
-    for file in ("config.json", "model.safetensors"):
-        shutil.copy2(checkpoints[-1] / file, export / file)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [m["val"] for m in metrics if "val" in m]
-    resolved = run_dir / "checkpoints" / "run.yaml"
-    return {
-        "steps_logged": sum("train" in m for m in metrics),
-        "own_eval": val[-1] if val else None,
-        "own_eval_definition": "speculators' own validation (its --train-data-ratio split = our eval split), last "
-                               "epoch: full_acc_k = steps 0..k all correct (teacher forced), cond_acc_k = step k "
-                               "correct given 0..k-1 correct; its step alignment ignores document boundaries",
-        "resolved_config": resolved.read_text() if resolved.exists() else None,
-        "checkpoint": str(checkpoints[-1]), "export": str(export), "export_speculators": str(export),
-    }
 
 
 def evaluated(record: dict, rows, config, ks: list[int], force: bool = False, device: str = "cpu") -> dict:
@@ -282,7 +215,15 @@ def shared_eval(args, clock: Clock, shared: Path, records: list[dict], config) -
     clock.phase("shared teacher-forced eval", time.perf_counter() - started)
 
 
+def acceptance(counts) -> dict:
+    """vLLM's acceptance figures of a run or of one eval source's requests."""
+    return {"mean_acceptance_length": counts.mean_acceptance_length,
+            "mean_request_acceptance_length": counts.mean_request_acceptance_length,
+            "acceptance_per_position": counts.acceptance_per_position}
+
+
 def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> dict:
+    """06's vLLM acceptance run of one draft at k, cached in its folder."""
     from eagle3_pipeline.target import target_path
     from eagle3_pipeline.validate.acceptance import serve
 
@@ -292,16 +233,11 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
         started = time.perf_counter()
         run = serve(config, target_path(config.target), prompts, Path(record["export"]), k)
         result = {
-            "k": k, "mean_acceptance_length": run.mean_acceptance_length,
-            "mean_request_acceptance_length": run.mean_request_acceptance_length,
-            "acceptance_per_position": run.acceptance_per_position, "counters": run.counts.vllm_counters(),
+            "k": k, **acceptance(run), "counters": run.counts.vllm_counters(),
             "generate_s": round(run.batch.seconds, 1), "engine_wall_s": round(time.perf_counter() - started, 1),
             "generated_tokens": run.generated_tokens, "skipped_parameters": run.skipped_parameters,
-            "by_source": {source: {"mean_acceptance_length": counts.mean_acceptance_length,
-                                   "mean_request_acceptance_length": counts.mean_request_acceptance_length,
-                                   "acceptance_per_position": counts.acceptance_per_position,
-                                   "num_drafts": counts.counts.drafts, "prompts": len(counts.requests)}
-                          for source, counts in run.by_source.items()},
+            "by_source": {source: {**acceptance(counts), "num_drafts": counts.counts.drafts,
+                                   "prompts": len(counts.requests)} for source, counts in run.by_source.items()},
             "outputs": run.outputs,
         }
         save(path, result)
@@ -311,95 +247,90 @@ def measure(args, clock: Clock, record: dict, k: int, config, prompts: list) -> 
 
 
 # ------------------------------------------------------------------------------------------------ report
-def summarize(records: list[dict], ks: list[int], ttt_steps: int) -> dict:
-    trainers = list(dict.fromkeys(r["trainer"] for r in records))
+def served_spread(records: list[dict], k: int) -> dict:
+    """One draft's vLLM figures at k over its seeds, overall and per eval source, beside the simulated ones."""
+    runs = [r["serve"][str(k)] for r in records]
+    mal = [run["mean_acceptance_length"] for run in runs]
+    positions = [[run["acceptance_per_position"][i] for run in runs] for i in range(k)]
+    return {
+        "mean_acceptance_length": statistics.fmean(mal), "mean_acceptance_length_spread": spread(mal),
+        "acceptance_per_position": [statistics.fmean(p) for p in positions],
+        "acceptance_per_position_min": [min(p) for p in positions],
+        "acceptance_per_position_max": [max(p) for p in positions],
+        "num_drafts": [run["counters"]["num_drafts"] for run in runs],
+        "skipped_parameters": sorted({p for run in runs for p in run["skipped_parameters"]}),
+        "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k)] for r in records]),
+        "by_source": {source: {
+            "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"] for run in runs]),
+            "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k, source=source)]
+                                                        for r in records]),
+            "acceptance_per_position": [statistics.fmean(run["by_source"][source]["acceptance_per_position"][i]
+                                                         for run in runs) for i in range(k)],
+            "prompts": runs[0]["by_source"][source]["prompts"],
+        } for source in runs[0]["by_source"]},
+    }
+
+
+def summarize(records: list[dict], ks: list[int]) -> dict:
+    """Per draft, every figure as a spread over its seeds."""
     out = {}
-    for trainer in trainers:
+    for trainer in dict.fromkeys(r["trainer"] for r in records):
         mine = [r for r in records if r["trainer"] == trainer]
-        entry = {
-            "trainer": mine[0]["trainer_kind"], "layout": mine[0]["layout"],
-            "seeds": [r["seed"] for r in mine],
-            "train_wall_s": spread([r["train_wall_s"] for r in mine]),
-            "train_tokens": spread([r["train_tokens"] for r in mine]),
-            "optimizer_steps": spread([r["optimizer_steps"] for r in mine]),
+        out[trainer] = {
+            "trainer": mine[0]["trainer_kind"], "layout": mine[0]["layout"], "seeds": [r["seed"] for r in mine],
+            **{key: spread([r[key] for r in mine]) for key in ("train_wall_s", "train_tokens", "optimizer_steps")},
             "shared_eval": {key: spread([r["shared_eval"][key] for r in mine]) for key in mine[0]["shared_eval"]},
-            "own_eval": [r["own_eval"] for r in mine],
-            "own_eval_definition": mine[0]["own_eval_definition"],
-            "k": {},
+            "own_eval": [r["own_eval"] for r in mine], "own_eval_definition": mine[0]["own_eval_definition"],
+            "k": {str(k): served_spread(mine, k) for k in ks if all(str(k) in r["serve"] for r in mine)},
         }
-        for k in [k for k in ks if all(str(k) in r["serve"] for r in mine)]:
-            runs = [r["serve"][str(k)] for r in mine]
-            mal = [run["mean_acceptance_length"] for run in runs]
-            positions = [[run["acceptance_per_position"][i] for run in runs] for i in range(k)]
-            entry["k"][str(k)] = {
-                "mean_acceptance_length": statistics.fmean(mal),
-                "mean_acceptance_length_spread": spread(mal),
-                "acceptance_per_position": [statistics.fmean(p) for p in positions],
-                "acceptance_per_position_min": [min(p) for p in positions],
-                "acceptance_per_position_max": [max(p) for p in positions],
-                "num_drafts": [run["counters"]["num_drafts"] for run in runs],
-                "skipped_parameters": sorted({p for run in runs for p in run["skipped_parameters"]}),
-                "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k)] for r in mine]),
-                "by_source": {source: {
-                    "mean_acceptance_length": spread([run["by_source"][source]["mean_acceptance_length"]
-                                                      for run in runs]),
-                    "simulated_mean_acceptance_length": spread([r["shared_eval"][metric_key(k, source=source)] for r in mine]),
-                    "acceptance_per_position": [statistics.fmean(run["by_source"][source]["acceptance_per_position"][i]
-                                                                 for run in runs) for i in range(k)],
-                    "prompts": runs[0]["by_source"][source]["prompts"],
-                } for source in runs[0]["by_source"]},
-            }
-        out[trainer] = entry
     return out
 
 
 def work_seconds(stage_seconds: dict, records: list[dict], eval_s: float) -> dict:
     """What the main comparison costs from scratch (sum of its phases, cached ones included) and the ablations."""
-    main = [r for r in records if r["trainer"] in MAIN]
-    extra = [r for r in records if r["trainer"] not in MAIN]
     cost = lambda rs: sum(r["train_wall_s"] + sum(run["engine_wall_s"] for run in r["serve"].values()) for r in rs)  # noqa: E731
     return {"stages_01_03": {k: round(v, 1) for k, v in stage_seconds.items()},
-            "main_comparison_total": round(sum(stage_seconds.values()) + cost(main) + eval_s, 1),
-            "ablations_total": round(cost(extra), 1)}
+            "main_comparison_total": round(sum(stage_seconds.values())
+                                           + cost([r for r in records if r["trainer"] in MAIN]) + eval_s, 1),
+            "ablations_total": round(cost([r for r in records if r["trainer"] not in MAIN]), 1)}
 
 
 def identical_outputs(records: list[dict], ks: list[int]) -> dict:
     """Greedy outputs with either draft should be the target's own: share of prompts identical to the first run."""
     first = records[0]["serve"][str(ks[0])]["outputs"]
-    shares = {}
-    for r in records:
-        for k in [k for k in ks if str(k) in r["serve"]]:
-            outputs = r["serve"][str(k)]["outputs"]
-            shares[f"{r['trainer']}_seed{r['seed']}_k{k}"] = sum(a == b for a, b in zip(first, outputs)) / len(first)
-    return shares
+    return {f"{r['trainer']}_seed{r['seed']}_k{k}": sum(a == b for a, b in zip(first, r["serve"][str(k)]["outputs"]))
+            / len(first) for r in records for k in ks if str(k) in r["serve"]}
 
 
 # --------------------------------------------------------------------------------------------------- main
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/bench_quality"))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
-    parser.add_argument("--max-steps", default="128", help="optimizer steps of our trainer (1024-row packs; speculators "
-                        "gets the same tokens): the bench's training budget, sized for 45 minutes on 2 CPU cores; "
-                        "'config' = the config's train.max_steps")
-    parser.add_argument("--max-prompts", default="all", help="06's eval prompts served (the first N; all = every "
-                        "served turn of the eval split)")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
-    parser.add_argument("--reuse-01", type=Path, help="copy this finished 01_data (same config) instead of running 01")
-    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(ABLATIONS), help="ablations of ours")
-    parser.add_argument("--variant-seeds", type=int, nargs="*", help="seeds the ablations run at (default: --seeds)")
-    parser.add_argument("--variant-ks", type=int, nargs="*", help="k values the ablations are served at (default: --ks)")
-    parser.add_argument("--train-only", action="store_true", help="stop after the trainings (no eval, vLLM, report)")
-    parser.add_argument("--force-train", action="store_true", help="retrain and remeasure everything")
-    return parser.parse_args()
+def parse_args():
+    arguments = parser(__doc__)
+    arguments.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
+    arguments.add_argument("--run-dir", type=Path, default=Path("runs/bench_quality"))
+    arguments.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    arguments.add_argument("--ks", type=int, nargs="+", default=[3, 5])
+    arguments.add_argument("--max-steps", default="128", help="optimizer steps of our trainer (1024-row packs; "
+                           "speculators gets the same tokens): the bench's training budget, sized for 45 minutes on 2 "
+                           "CPU cores; 'config' = the config's train.max_steps")
+    arguments.add_argument("--max-prompts", default="all", help="06's eval prompts served (the first N; all = every "
+                           "served turn of the eval split)")
+    arguments.add_argument("--max-tokens", type=int, default=48)
+    arguments.add_argument("--out", type=Path, default=Path("bench/results/quality.json"))
+    arguments.add_argument("--reuse-01", type=Path, help="copy this finished 01_data (same config) instead of running 01")
+    arguments.add_argument("--variants", nargs="*", default=[], choices=sorted(ABLATIONS), help="ablations of ours")
+    arguments.add_argument("--variant-seeds", type=int, nargs="*", help="seeds the ablations run at (default: --seeds)")
+    arguments.add_argument("--variant-ks", type=int, nargs="*", help="k values the ablations are served at (default: "
+                           "--ks)")
+    arguments.add_argument("--train-only", action="store_true", help="stop after the trainings (no eval, vLLM, report)")
+    arguments.add_argument("--force-train", action="store_true", help="retrain and remeasure everything")
+    return arguments.parse_args()
 
 
-def work_folder(args: argparse.Namespace):
+def work_folder(args):
     """The run config of the shared stages, in one work folder per content of the sections stages 01-03 read (an
     edited config never meets stale stage outputs); sets args.budget and args.run_dir."""
+    import yaml
+
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.stage_io import fingerprint
 
@@ -407,18 +338,15 @@ def work_folder(args: argparse.Namespace):
     base = load_config(args.config, args.budget)
     args.run_dir = args.run_dir / fingerprint({s: base.section(s) for s in SHARED_SECTIONS})[:10]
     max_prompts = "null" if args.max_prompts == "all" else int(args.max_prompts)
-    config = load_config(args.config, [f"run_dir={args.run_dir / 'shared'}", f"validate.max_prompts={max_prompts}",
-                                       f"validate.max_tokens={args.max_tokens}", *args.budget])
     if not (args.run_dir / "config.yaml").exists():  # the config this work folder's stages ran with
-        import yaml
-
         args.run_dir.mkdir(parents=True, exist_ok=True)
         (args.run_dir / "config.yaml").write_text(yaml.safe_dump(base.model_dump(mode="json", by_alias=True),
                                                                  sort_keys=False))
-    return config
+    return load_config(args.config, [f"run_dir={args.run_dir / 'shared'}", f"validate.max_prompts={max_prompts}",
+                                     f"validate.max_tokens={args.max_tokens}", *args.budget])
 
 
-def train_all(args: argparse.Namespace, clock: Clock, shared: Path, config) -> list[dict]:
+def train_all(args, clock: Clock, shared: Path, config) -> list[dict]:
     """Every draft of every seed (within a draft's folder, named by what it depends on: train_ours,
     train_speculators); speculators' drafts get the training tokens of ours at the same seed."""
     records = []
@@ -437,8 +365,7 @@ def train_all(args: argparse.Namespace, clock: Clock, shared: Path, config) -> l
     return records
 
 
-def write_report(args: argparse.Namespace, clock: Clock, config, records: list[dict], prompts: list,
-                 stage_seconds: dict) -> None:
+def write_report(args, clock: Clock, config, records: list[dict], prompts: list, stage_seconds: dict) -> None:
     clock.phases["total"] = round(time.perf_counter() - clock.start, 1)
     report = {
         "command": "HF_HUB_OFFLINE=1 .venv/bin/python -m bench.quality " + " ".join(sys.argv[1:]),
@@ -450,14 +377,14 @@ def write_report(args: argparse.Namespace, clock: Clock, config, records: list[d
                     "load_max": max(clock.load_averages, default=0.0), "load_at_phase_ends": clock.load_averages},
         "work_s": work_seconds(stage_seconds, records, clock.phases.get("shared teacher-forced eval", 0.0)),
         "draft_shape": config.section("draft"),
-        "results": summarize(records, args.ks, config.train.ttt_steps),
+        "results": summarize(records, args.ks),
         "identical_greedy_outputs": identical_outputs(records, args.ks),
         "runs": [{k: v for k, v in r.items() if k != "serve"} | {"serve": {
             key: {f: x for f, x in run.items() if f != "outputs"} for key, run in r["serve"].items()}} for r in records],
         "notes": NOTES,
     }
     # every invocation that wrote this report, with its wall time (a rerun reuses the cached work of earlier ones)
-    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    previous = cached(args.out) or {}
     if previous.get("run_dir") != report["run_dir"]:  # another config's report: its invocations are not this one's
         previous = {}
     invocations = previous.get("invocations") or (

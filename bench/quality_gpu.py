@@ -27,7 +27,6 @@ into quality_gpu.md and quality_gpu.png beside it.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -37,13 +36,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.harness import ROOT, Clock, cached, run_logged, save, stage_cmd
-from bench.report import quality_gpu_markdown, render
+from bench.harness import ROOT, Clock, cached, offline, parser, run_logged, save, stage_cmd
 from bench.quality import SHARED_SECTIONS, evaluated, measure, our_token_budget, shared_stages, train_ours, train_speculators
+from bench.report import quality_gpu_markdown, render
 from eagle3_pipeline.acceptance import metric_key
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+offline()
 CONFIG = Path("bench/quality_gpu.yaml")
 K = 3
 TTT_DECAY = [round(0.8 ** step, 6) for step in range(7)]
@@ -89,20 +87,11 @@ class Bench:
         self.report.update({"config": str(args.config), "curve_steps": args.curve_steps, "k": K})
         self.report.setdefault("drafts", {})
 
-    def record(self, key: str, value) -> None:
+    def record(self, key: str, value, within: str | None = None) -> None:
+        """report[key] (report[within][key]) = value, and quality_gpu.json saved."""
         with LOCK:
-            self.report[key] = value
+            (self.report[within] if within else self.report)[key] = value
             save(self.out, self.report)
-
-    def add_draft(self, name: str, record: dict) -> None:
-        with LOCK:
-            self.report["drafts"][name] = record
-            save(self.out, self.report)
-
-    def budget_args(self, steps: int):
-        args = copy.copy(self.args)
-        args.budget = [f"train.max_steps={steps}"]
-        return args
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -177,7 +166,8 @@ def phase_train(bench: Bench) -> None:
         if name in bench.report["drafts"] and "shared_eval" in bench.report["drafts"][name]:
             return
         started = time.perf_counter()
-        args = bench.budget_args(steps)
+        args = copy.copy(bench.args)
+        args.budget = [f"train.max_steps={steps}"]
         try:
             if trainer == "ours":
                 record = train_ours(args, bench.clock, bench.shared, name, seed, extra)
@@ -190,8 +180,8 @@ def phase_train(bench: Bench) -> None:
             record["shared_eval"] = evaluated(record, rows, config, [K], device=device)
         except Exception as err:  # noqa: BLE001 - one failed draft is reported, the others go on
             record = {"error": repr(err)[-2000:]}
-        bench.add_draft(name, record | {"trainer_kind": trainer, "steps": steps, "seed": seed, "extra": extra,
-                                        "job_wall_s": round(time.perf_counter() - started, 1)})
+        bench.record(name, record | {"trainer_kind": trainer, "steps": steps, "seed": seed, "extra": extra,
+                                     "job_wall_s": round(time.perf_counter() - started, 1)}, within="drafts")
         bench.clock.say(f"{name}: {summary_line(bench.report['drafts'][name])}")
 
     with ThreadPoolExecutor(bench.args.parallel) as pool:
@@ -207,29 +197,34 @@ def summary_line(record: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- serve
-def phase_serve(bench: Bench) -> None:
-    """One engine per chosen draft, each in its own process and all at once (engine starts dominate the phase);
-    each process leaves its result in measure()'s cache, which the records here are read from."""
-    import multiprocessing
-
-    from eagle3_pipeline.validate.stage import eval_prompts
-
-    drafts = bench.report["drafts"]
-    largest, smallest = max(bench.args.curve_steps), min(bench.args.curve_steps)
+def drafts_to_serve(drafts: dict, curve_steps: list[int], served: dict) -> list[str]:
+    """The final rows not yet served: ours and speculators seed 0 at the largest point, ours at the smallest, and
+    the lever with the best simulated AL at the largest point."""
+    largest, smallest = max(curve_steps), min(curve_steps)
     chosen = [f"ours-{largest}-s0", f"speculators-{largest}-s0", f"ours-{smallest}-s0"]
     levers = [n for n, r in drafts.items() if n.endswith(f"-{largest}-s0") and "shared_eval" in r
               and not n.startswith(("ours-", "speculators-"))]
     if levers:
         chosen.append(max(levers, key=lambda n: drafts[n]["shared_eval"][metric_key(K)]))
-    from eagle3_pipeline.config import load_config
+    return [name for name in dict.fromkeys(chosen) if name in drafts and "error" not in drafts[name]
+            and name not in served]
 
+
+def phase_serve(bench: Bench) -> None:
+    """One engine per chosen draft, each in its own process and all at once (engine starts dominate the phase);
+    each process leaves its result in measure()'s cache, which the records here are read from."""
+    import multiprocessing
+
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.validate.stage import eval_prompts
+
+    drafts = bench.report["drafts"]
     # acceptance does not depend on CUDA graphs: no compilation; the engines share the GPU
     config = load_config(bench.args.config, [f"run_dir={bench.shared}", "target.engine.enforce_eager=true",
                                              f"target.engine.gpu_memory_utilization={SERVE_MEMORY_SHARE}"])
     prompts = eval_prompts(config)
     served = bench.report.setdefault("served", {})
-    todo = [name for name in dict.fromkeys(chosen) if name in drafts and "error" not in drafts[name]
-            and name not in served]
+    todo = drafts_to_serve(drafts, bench.args.curve_steps, served)
     spawn = multiprocessing.get_context("spawn")
     engines = {name: spawn.Process(target=measure, args=(bench.args, Clock(), dict(drafts[name], trainer=name), K,
                                                          config, prompts)) for name in todo}
@@ -270,32 +265,34 @@ def phase_regen(bench: Bench) -> None:
         bench.clock.say(f"regeneration {name}: {stats.get('generation')}")
 
 
-# --------------------------------------------------------------------------------------------------- report
-
-
 # ----------------------------------------------------------------------------------------------------- main
 PHASES = {"data": phase_data, "train": phase_train, "regen": phase_regen, "serve": phase_serve}
 
 
+def parse_args():
+    arguments = parser(__doc__)
+    arguments.add_argument("--config", type=Path, default=CONFIG)
+    arguments.add_argument("--work", type=Path, default=Path("runs/bench_quality_gpu"))
+    arguments.add_argument("--out", type=Path, default=Path("bench/results"))
+    arguments.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
+                           help="our optimizer steps (one 8192-row pack each) at each curve point")
+    arguments.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has); "
+                           "NAME@0,1,2 trains that lever at those seeds instead of --lever-seeds")
+    arguments.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"],
+                           choices=["curve", "seeds", "levers"],
+                           help="which drafts the train phase trains (seeds: both trainers at the largest point)")
+    arguments.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
+    arguments.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
+    arguments.add_argument("--regen-conversations", type=int, default=1024)
+    arguments.add_argument("--reuse-01", type=Path, help="a complete 01_data of this config from an earlier run "
+                           "(copied; 01's regeneration is then skipped)")
+    arguments.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    arguments.add_argument("--report", type=Path, help="only write the .md and .png of this quality_gpu.json")
+    return arguments.parse_args()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--work", type=Path, default=Path("runs/bench_quality_gpu"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
-                        help="our optimizer steps (one 8192-row pack each) at each curve point")
-    parser.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has); "
-                        "NAME@0,1,2 trains that lever at those seeds instead of --lever-seeds")
-    parser.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"], choices=["curve", "seeds", "levers"],
-                        help="which drafts the train phase trains (seeds: both trainers at the largest point)")
-    parser.add_argument("--lever-seeds", type=int, nargs="+", default=[0], help="seeds each lever trains at")
-    parser.add_argument("--parallel", type=int, default=6, help="trainings sharing the GPU at once")
-    parser.add_argument("--regen-conversations", type=int, default=1024)
-    parser.add_argument("--reuse-01", type=Path, help="a complete 01_data of this config from an earlier run (copied; "
-                        "01's regeneration is then skipped)")
-    parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
-    parser.add_argument("--report", type=Path, help="only write the .md and .png of this quality_gpu.json")
-    args = parser.parse_args()
+    args = parse_args()
     os.chdir(ROOT)
     if args.report:
         print(render("quality_gpu", args.report))

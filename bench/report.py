@@ -7,27 +7,57 @@ bench's module; `python -m bench.report NAME RESULT.json` renders a saved result
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
-from bench.harness import spread_text
+from bench.harness import parser, spread_text
 from eagle3_pipeline.acceptance import metric_key
 
 
+def row(cells) -> str:
+    """A markdown table's row."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def head(cells) -> list[str]:
+    """A markdown table's header and rule (a cell may hold several columns, as "a | b")."""
+    line = row(cells)
+    return [line, "|---" * (line.count("|") - 1) + "|"]
+
+
+def spread_figure(spread: dict, decimals: int = 3) -> str:
+    """A harness.spread as `mean [min, max]`."""
+    return f"{spread['mean']:.{decimals}f} [{spread['min']:.{decimals}f}, {spread['max']:.{decimals}f}]"
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 # -------------------------------------------------------------------------------------- bench/quality.py
-def comparison_lines(report: dict) -> list[str]:
+def main_trainers(report: dict) -> list[str]:
+    """The bench's four drafts (bench/quality.py, DRAFTS) that have results, in the results' order."""
+    return [trainer for trainer in report["results"] if trainer in report["main"]]
+
+
+def target_lines(report: dict) -> list[str]:
     """The two targets (ours in the reference layout >= speculators' defaults; ours in speculators' layout >= 5%
-    ahead of them), per k and eval source, then each ablation against its base draft."""
-    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
-    res, ks = report["results"], report["ks"]
-    if not all(t in res for t in main_drafts):
-        return []
-    spec = res["speculators"]
-    out = []
+    ahead of them), per k and eval source."""
+    res, spec, out = report["results"], report["results"]["speculators"], []
     for name, needed in (("ours", 1.0), ("ours+specnorms", 1.05)):
-        for k in ks:
+        for k in report["ks"]:
             for scope, pick in [("all prompts", lambda e: e["k"][str(k)]["mean_acceptance_length_spread"])] + [
                     (source, lambda e, source=source: e["k"][str(k)]["by_source"][source]["mean_acceptance_length"])
                     for source in spec["k"][str(k)]["by_source"]]:
@@ -38,69 +68,68 @@ def comparison_lines(report: dict) -> list[str]:
                            f"{b['mean']:.3f} ({100 * (ratio - 1):+.1f}%; target {100 * (needed - 1):+.0f}%: "
                            f"{'met' if ratio >= needed else 'missed'}; every seed of {name} above "
                            f"{needed:.2f} x speculators' mean: {'yes' if every else 'no'}, worst seed {a['min']:.3f})")
-    ours = res["ours"]
+    return out
+
+
+def ablation_lines(report: dict) -> list[str]:
+    """Each ablation against its base draft at the same seeds."""
+    out = []
+    for name, base in report["ablation_bases"].items():
+        if name not in report["results"]:
+            continue
+        e = report["results"][name]
+        base_runs = [r for r in report["runs"] if r["trainer"] == base and r["seed"] in e["seeds"]]
+        line = f"ablation {name} (seed {','.join(map(str, e['seeds']))}) vs {base} at the same seed(s)"
+        for k in (k for k in report["ks"] if str(k) in e["k"]):
+            base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
+            base_sim = statistics.fmean(r["shared_eval"][metric_key(k)] for r in base_runs)
+            line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
+                     f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
+                     f" vs {base_sim:.3f})")
+        out.append(line)
+    return out
+
+
+def comparison_lines(report: dict) -> list[str]:
+    """The targets, the teacher-forced figures and training cost of ours against speculators, the ablations."""
+    res = report["results"]
+    if not all(t in res for t in report["main"]):
+        return []
+    ours, spec = res["ours"], res["speculators"]
     se_o, se_s = ours["shared_eval"], spec["shared_eval"]
+    out = target_lines(report)
     out.append("teacher-forced (shared evaluator), ours vs speculators: " + ", ".join(
         f"acc_{k} {se_o[f'acc_{k}']['mean']:.3f} vs {se_s[f'acc_{k}']['mean']:.3f}" for k in range(report["ttt_steps"])))
     out.append(f"training wall time ours {ours['train_wall_s']['mean']:.0f} s vs speculators "
                f"{spec['train_wall_s']['mean']:.0f} s for {ours['train_tokens']['mean']:.0f} vs "
                f"{spec['train_tokens']['mean']:.0f} tokens ({ours['optimizer_steps']['mean']:.0f} vs "
                f"{spec['optimizer_steps']['mean']:.0f} optimizer steps)")
-    for name, base in report["ablation_bases"].items():  # each ablation against its base draft
-        if name not in res:
-            continue
-        e = res[name]
-        seeds = e["seeds"]
-        base_runs = [r for r in report["runs"] if r["trainer"] == base and r["seed"] in seeds]
-        line = f"ablation {name} (seed {','.join(map(str, seeds))}) vs {base} at the same seed(s)"
-        for k in ks:
-            if str(k) in e["k"]:
-                base_mal = statistics.fmean(r["serve"][str(k)]["mean_acceptance_length"] for r in base_runs)
-                base_sim = statistics.fmean(r["shared_eval"][metric_key(k)] for r in base_runs)
-                line += (f"; k={k} mean acceptance length {e['k'][str(k)]['mean_acceptance_length']:.3f} vs "
-                         f"{base_mal:.3f} (simulated {e['k'][str(k)]['simulated_mean_acceptance_length']['mean']:.3f}"
-                         f" vs {base_sim:.3f})")
-        out.append(line)
-    return [f"- {line}" for line in out]
+    return [f"- {line}" for line in out + ablation_lines(report)]
 
 
 def benchmark_table(report: dict) -> list[str]:
     """Mean acceptance length per eval source and k, vLLM's and the simulated one, per draft of the 2 x 2."""
-    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
     res, ks = report["results"], report["ks"]
-    fmt = lambda s: f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"  # noqa: E731
-    sources = list(res["ours"]["k"][str(ks[0])]["by_source"])
-    prompts = {source: res["ours"]["k"][str(ks[0])]["by_source"][source]["prompts"] for source in sources}
-    header = ["trainer", "layout"] + [f"{source} k={k} ({prompts[source]}) | simulated"
-                                      for k in ks for source in sources]
-    header += [f"all k={k} | simulated" for k in ks]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---|---|" * (len(ks) * (len(sources) + 1))]
-    for name in main_drafts:
+    by_source = res["ours"]["k"][str(ks[0])]["by_source"]
+    header = ["trainer", "layout"] + [f"{source} k={k} ({by_source[source]['prompts']}) | simulated"
+                                      for k in ks for source in by_source] + [f"all k={k} | simulated" for k in ks]
+    lines = head(header)
+    for name in report["main"]:
         e = res[name]
         cells = [e["trainer"], e["layout"]]
         for k in ks:
-            for source in sources:
+            for source in by_source:
                 by = e["k"][str(k)]["by_source"][source]
-                cells += [fmt(by["mean_acceptance_length"]), fmt(by["simulated_mean_acceptance_length"])]
+                cells += [spread_figure(by["mean_acceptance_length"]), spread_figure(by["simulated_mean_acceptance_length"])]
         for k in ks:
-            cells += [fmt(e["k"][str(k)]["mean_acceptance_length_spread"]),
-                      fmt(e["k"][str(k)]["simulated_mean_acceptance_length"])]
-        lines.append("| " + " | ".join(cells) + " |")
+            cells += [spread_figure(e["k"][str(k)]["mean_acceptance_length_spread"]),
+                      spread_figure(e["k"][str(k)]["simulated_mean_acceptance_length"])]
+        lines.append(row(cells))
     return lines
 
 
-def spread_figure(spread: dict, decimals: int = 3) -> str:
-    """A harness.spread as `mean [min, max]`."""
-    return f"{spread['mean']:.{decimals}f} [{spread['min']:.{decimals}f}, {spread['max']:.{decimals}f}]"
-
-
-def main_trainers(report: dict) -> list[str]:
-    """The bench's four drafts (bench/quality.py, DRAFTS) that have results, in the results' order."""
-    return [trainer for trainer in report["results"] if trainer in report["main"]]
-
-
 def quality_head(report: dict) -> list[str]:
-    main_drafts, machine = report["main"], report["machine"]  # main: the bench's four drafts (quality.py, DRAFTS)
+    drafts, machine = len(report["main"]), report["machine"]
     invocations = "; ".join(f"`{i['command'].split('python ')[-1]}` {i['wall_s'] / 60:.1f} min"
                             for i in report.get("invocations", []))
     return [
@@ -108,8 +137,8 @@ def quality_head(report: dict) -> list[str]:
         "",
         f"Command: `{report['command']}`  ",
         f"Wall time: {report['work_s']['main_comparison_total'] / 60:.1f} min for the comparison from scratch (sum of "
-        f"its phases: stages 01-03, {len(main_drafts) * len(report['seeds'])} trainings, "
-        f"{len(report['ks']) * len(report['seeds']) * len(main_drafts)} vLLM engine runs, "
+        f"its phases: stages 01-03, {drafts * len(report['seeds'])} trainings, "
+        f"{len(report['ks']) * len(report['seeds']) * drafts} vLLM engine runs, "
         f"shared eval; {machine['cpus']} CPU cores, 1-minute load average {machine['load_min']:.1f}"
         f"-{machine['load_max']:.1f} at the ends of its phases); this invocation "
         f"{report['wall_time_s']['total'] / 60:.1f} min (all invocations: {invocations}); target {report['target']}; "
@@ -126,9 +155,8 @@ def quality_head(report: dict) -> list[str]:
 
 def quality_served(report: dict) -> list[str]:
     ks = report["ks"]
-    lines = ["", "| trainer | train wall s | train tokens | steps | " + " | ".join(
-                 f"mean acc. length k={k} | accept. per position k={k}" for k in ks) + " |",
-             "|---|---|---|---|" + "---|---|" * len(ks)]
+    lines = ["", *head(["trainer", "train wall s", "train tokens", "steps"]
+                       + [f"mean acc. length k={k} | accept. per position k={k}" for k in ks])]
     for trainer in main_trainers(report):
         e = report["results"][trainer]
         cells = [trainer, spread_figure(e["train_wall_s"], 0), f"{e['train_tokens']['mean']:.0f}",
@@ -137,39 +165,35 @@ def quality_served(report: dict) -> list[str]:
             served = e["k"][str(k)]
             cells += [spread_figure(served["mean_acceptance_length_spread"]),
                       " / ".join(f"{p:.3f}" for p in served["acceptance_per_position"])]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(row(cells))
     return lines
 
 
 def quality_teacher_forced(report: dict) -> list[str]:
-    ttt = report["ttt_steps"]
+    ttt = range(report["ttt_steps"])
     lines = ["", "Teacher-forced eval on our eval split, one shared evaluator for both (bench/draft_eval.py): "
              "acc_k = step-k top-1 agreement with the verifier; chain_k = steps 0..k all agree.", "",
-             "| trainer | " + " | ".join(f"acc_{k}" for k in range(ttt)) + " | " + " | ".join(
-                 f"chain_{k}" for k in range(ttt)) + " | " + " | ".join(f"KL_{k}" for k in range(ttt)) + " |",
-             "|---|" + "---|" * (3 * ttt)]
+             *head(["trainer"] + [f"{name}_{k}" for name in ("acc", "chain", "KL") for k in ttt])]
     for trainer in main_trainers(report):
         shared = report["results"][trainer]["shared_eval"]
-        cells = [trainer] + [spread_figure(shared[f"{name}_{k}"]) for name in ("acc", "chain_acc", "loss")
-                             for k in range(ttt)]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(row([trainer] + [spread_figure(shared[f"{name}_{k}"]) for name in ("acc", "chain_acc", "loss")
+                                      for k in ttt]))
     return lines
 
 
 def quality_ablations(report: dict) -> list[str]:
-    res, ks, main_drafts = report["results"], report["ks"], report["main"]
-    ablations = [t for t in res if t not in main_drafts]
+    res, ks = report["results"], report["ks"]
+    ablations = [t for t in res if t not in report["main"]]
     if not ablations:
         return []
     lines = ["", "Ablations (one setting of one trainer moved to the other's choice; same data, budget, shape):", "",
-             "| draft | seeds | train wall s | chain_0 | chain_1 | chain_2 | " + " | ".join(
-                 f"mean acc. length k={k}" for k in ks) + " |", "|---|---|---|---|---|---|" + "---|" * len(ks)]
-    for trainer in list(main_drafts) + ablations:
+             *head(["draft", "seeds", "train wall s", "chain_0", "chain_1", "chain_2"]
+                   + [f"mean acc. length k={k}" for k in ks])]
+    for trainer in list(report["main"]) + ablations:
         e = res[trainer]
-        cells = [trainer, ",".join(map(str, e["seeds"])), spread_figure(e["train_wall_s"], 0)] + [
+        lines.append(row([trainer, ",".join(map(str, e["seeds"])), spread_figure(e["train_wall_s"], 0)] + [
             spread_figure(e["shared_eval"][f"chain_acc_{k}"]) for k in range(3)] + [
-            spread_figure(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]
-        lines.append("| " + " | ".join(cells) + " |")
+            spread_figure(e["k"][str(k)]["mean_acceptance_length_spread"]) if str(k) in e["k"] else "-" for k in ks]))
     return lines
 
 
@@ -177,8 +201,7 @@ def quality_own_evals(report: dict) -> list[str]:
     lines = ["", "Each trainer's own eval metric (its definition differs; see quality.json):", ""]
     for trainer in main_trainers(report):
         e = report["results"][trainer]
-        own = e["own_eval"][0] or {}
-        keys = [k for k in own if k.startswith(("acc_", "full_acc_", "cond_acc_"))]
+        keys = [k for k in e["own_eval"][0] or {} if k.startswith(("acc_", "full_acc_", "cond_acc_"))]
         lines.append(f"- {trainer}: " + ", ".join(
             f"{key} {statistics.fmean([(o or {}).get(key, float('nan')) for o in e['own_eval']]):.3f}" for key in keys))
     return lines
@@ -193,55 +216,46 @@ def quality_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quality_plot(report: dict, path: Path) -> None:
-    main_drafts = report["main"]  # the bench's four drafts (bench/quality.py, DRAFTS)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    res, ks = report["results"], report["ks"]
-    trainers = [t for t in res if t in main_drafts]
-    fig, axes = plt.subplots(1, 1 + len(ks), figsize=(5 * (1 + len(ks)), 4.2))
+def bars(ax, trainers: list[str], groups: int, values, capsize: int = 3, annotate: bool = False) -> None:
+    """One bar per trainer in each of `groups` groups, min-max error bars: values(trainer) -> means, lows, highs."""
     width = 0.8 / len(trainers)
-    ax = axes[0]
     for i, trainer in enumerate(trainers):
-        spreads = [res[trainer]["k"][str(k)]["mean_acceptance_length_spread"] for k in ks]
-        means = [s["mean"] for s in spreads]
-        err = [[m - s["min"] for m, s in zip(means, spreads)], [s["max"] - m for m, s in zip(means, spreads)]]
-        x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(len(ks))]
-        ax.bar(x, means, width, yerr=err, capsize=4, label=trainer, color=f"C{i}")
-        for xi, m in zip(x, means):
+        means, lows, highs = values(trainer)
+        x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(groups)]
+        err = [[m - lo for m, lo in zip(means, lows)], [hi - m for m, hi in zip(means, highs)]]
+        ax.bar(x, means, width, yerr=err, capsize=capsize, label=trainer, color=f"C{i}")
+        for xi, m in zip(x, means) if annotate else ():
             ax.text(xi, m + 0.02, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
-    ax.set_ylabel("mean acceptance length (vLLM)")
-    ax.set_title("mean acceptance length, min-max over seeds")
-    ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+
+
+def quality_plot(report: dict, path: Path) -> None:
+    res, ks = report["results"], report["ks"]
+    trainers = main_trainers(report)
+    fig, axes = pyplot().subplots(1, 1 + len(ks), figsize=(5 * (1 + len(ks)), 4.2))
+
+    def mal(trainer):
+        spreads = [res[trainer]["k"][str(k)]["mean_acceptance_length_spread"] for k in ks]
+        return [s["mean"] for s in spreads], [s["min"] for s in spreads], [s["max"] for s in spreads]
+
+    bars(axes[0], trainers, len(ks), mal, capsize=4, annotate=True)
+    axes[0].set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+    axes[0].set(ylabel="mean acceptance length (vLLM)", title="mean acceptance length, min-max over seeds")
+    axes[0].legend(fontsize=8)
     for ax, k in zip(axes[1:], ks):
-        for i, trainer in enumerate(trainers):
-            kk = res[trainer]["k"][str(k)]
-            means = kk["acceptance_per_position"]
-            err = [[m - lo for m, lo in zip(means, kk["acceptance_per_position_min"])],
-                   [hi - m for m, hi in zip(means, kk["acceptance_per_position_max"])]]
-            x = [j + (i - (len(trainers) - 1) / 2) * width for j in range(k)]
-            ax.bar(x, means, width, yerr=err, capsize=3, label=trainer, color=f"C{i}")
+        bars(ax, trainers, k, lambda t, k=k: [res[t]["k"][str(k)][f"acceptance_per_position{end}"]
+                                                for end in ("", "_min", "_max")])
         ax.set_xticks(range(k), [str(j + 1) for j in range(k)])
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate")
-        ax.set_title(f"acceptance per position, k = {k}")
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.set(xlabel="draft position", ylabel="acceptance rate", title=f"acceptance per position, k = {k}")
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------- bench/quality_gpu.py
 def sources_of(report: dict) -> list[str]:
-    served_k = report["k"]  # the k the bench serves and simulates at
+    prefix = f"{metric_key(report['k'])}/"  # the k the bench serves and simulates at
     for record in report["drafts"].values():
         if "shared_eval" in record:
-            return [key.split("/", 1)[1] for key in record["shared_eval"] if key.startswith(f"{metric_key(served_k)}/")]
+            return [key.split("/", 1)[1] for key in record["shared_eval"] if key.startswith(prefix)]
     return []
 
 
@@ -260,8 +274,7 @@ class GpuReport:
                 self.seeds[trainer] = runs
 
     def sim(self, record: dict, source: str | None = None) -> float:
-        key = metric_key(self.served_k, source=source) if source else metric_key(self.served_k)
-        return record["shared_eval"][key]
+        return record["shared_eval"][metric_key(self.served_k, source=source) if source else metric_key(self.served_k)]
 
     def mean_of_sources(self, record: dict) -> float:
         return statistics.fmean(self.sim(record, s) for s in self.sources)
@@ -298,24 +311,22 @@ class GpuReport:
             return []
         header = ["draft", "train tokens", "train wall s"] + self.sources + ["mean of benchmarks", "all prompts"]
         lines = ["## Learning curve (seed 0; speculators trains on the tokens ours does at each point)", "",
-                 "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+                 *head(header)]
         for trainer in ("ours", "speculators"):
             for steps in curve:
                 record = self.drafts.get(f"{trainer}-{steps}-s0")
                 if record:
-                    lines.append("| " + " | ".join(
-                        [f"{trainer} ({steps} steps)", str(record["train_tokens"]), f"{record['train_wall_s']:.0f}"]
-                        + [f"{self.sim(record, s):.3f}" for s in self.sources]
-                        + [f"{self.mean_of_sources(record):.3f}", f"{self.sim(record):.3f}"]) + " |")
+                    lines.append(row([f"{trainer} ({steps} steps)", str(record["train_tokens"]),
+                                      f"{record['train_wall_s']:.0f}"]
+                                     + [f"{self.sim(record, s):.3f}" for s in self.sources]
+                                     + [f"{self.mean_of_sources(record):.3f}", f"{self.sim(record):.3f}"]))
         return lines
 
     def three_seeds(self) -> list[str]:
         lines = ["", f"## Three seeds at the largest point ({self.largest} steps): mean [min, max]", "",
-                 "| " + " | ".join(["trainer"] + self.sources + ["mean of benchmarks", "all prompts"]) + " |",
-                 "|---" * (len(self.sources) + 3) + "|"]
-        for trainer, runs in self.seeds.items():
-            lines.append("| " + " | ".join([f"{trainer} ({len(runs)} seeds)"] + self.figures(runs)) + " |")
-        return lines
+                 *head(["trainer"] + self.sources + ["mean of benchmarks", "all prompts"])]
+        return lines + [row([f"{trainer} ({len(runs)} seeds)"] + self.figures(runs))
+                        for trainer, runs in self.seeds.items()]
 
     def targets(self) -> list[str]:
         if len(self.seeds) < 2:
@@ -342,9 +353,8 @@ class GpuReport:
             return []
         mean = lambda runs: statistics.fmean(map(self.mean_of_sources, runs))  # noqa: E731
         lines = ["", f"## Levers at {self.largest} steps (ours; one setting moved from bench/quality_gpu.yaml)", "",
-                 "| lever | seeds | overrides | " + " | ".join(self.sources) + " | mean of benchmarks | vs ours, same "
-                 "seeds | vs speculators' mean (every seed above it) |",
-                 "|---|---|---|" + "---|" * (len(self.sources) + 3)]
+                 *head(["lever", "seeds", "overrides", *self.sources, "mean of benchmarks", "vs ours, same seeds",
+                        "vs speculators' mean (every seed above it)"])]
         theirs = mean(self.seeds["speculators"]) if "speculators" in self.seeds else None
         for lever, runs in sorted(levers.items(), key=lambda item: -mean(item[1])):
             runs = sorted(runs, key=lambda r: r["seed"])
@@ -353,10 +363,15 @@ class GpuReport:
             versus = f"{100 * (mean(runs) / mean(base) - 1):+.1f}%" if len(base) == len(runs) else "-"
             above = (f"{100 * (mean(runs) / theirs - 1):+.1f}% "
                      f"({'yes' if min(map(self.mean_of_sources, runs)) > theirs else 'no'})" if theirs else "-")
-            lines.append("| " + " | ".join([lever, ",".join(str(r["seed"]) for r in runs),
-                                             "`" + " ".join(runs[0]["extra"]) + "`"]
-                                            + self.figures(runs)[:-1] + [versus, above]) + " |")
+            lines.append(row([lever, ",".join(str(r["seed"]) for r in runs), "`" + " ".join(runs[0]["extra"]) + "`"]
+                             + self.figures(runs)[:-1] + [versus, above]))
         return lines
+
+    def served_cell(self, run: dict, source: str | None = None) -> str:
+        counted = run["by_source"][source] if source else run
+        per_request = counted.get("mean_request_acceptance_length")
+        return (f"{counted['mean_acceptance_length']:.3f} / {f'{per_request:.3f}' if per_request is not None else '-'}"
+                f" / {self.sim(self.report['drafts'][run['trainer']], source):.3f}")
 
     def served(self) -> list[str]:
         if not self.report.get("served"):
@@ -364,19 +379,11 @@ class GpuReport:
         lines = ["", f"## vLLM's own counters (06's serve, k={self.served_k}) against the simulation", "",
                  "Each cell: vLLM pooled (1 + accepted / drafts over the benchmark's requests) / mean of per-request "
                  "AL / simulated (docs/06_validate.md: which is which).", "",
-                 "| draft | " + " | ".join(self.sources) + " | all prompts |", "|---|" + "---|" * (len(self.sources) + 1)]
-
-        def cell(run: dict, source: str | None = None) -> str:
-            counted = run["by_source"][source] if source else run
-            per_request = counted.get("mean_request_acceptance_length")
-            return (f"{counted['mean_acceptance_length']:.3f} / "
-                    f"{f'{per_request:.3f}' if per_request is not None else '-'} / "
-                    f"{self.sim(self.report['drafts'][run['trainer']], source):.3f}")
-
+                 *head(["draft", *self.sources, "all prompts"])]
         for name, run in self.report["served"].items():
             run = dict(run, trainer=name)
-            cells = [cell(run, s) if s in run["by_source"] else "-" for s in self.sources]
-            lines.append("| " + " | ".join([name, *cells, cell(run)]) + " |")
+            cells = [self.served_cell(run, s) if s in run["by_source"] else "-" for s in self.sources]
+            lines.append(row([name, *cells, self.served_cell(run)]))
         return lines
 
     def tail(self) -> list[str]:
@@ -384,8 +391,7 @@ class GpuReport:
         report, lines = self.report, []
         if report.get("regeneration"):
             lines += ["", "## Regeneration with the trained draft (01 on the same magpie conversations, 01's "
-                      "concurrency)", "", "| run | generated tokens | tokens/s | mean acceptance length |",
-                      "|---|---|---|---|"]
+                      "concurrency)", "", *head(["run", "generated tokens", "tokens/s", "mean acceptance length"])]
             for name, run in report["regeneration"].items():
                 generation = run["generation"] or {}
                 speculative = generation.get("speculative") or {}
@@ -407,37 +413,30 @@ def quality_gpu_markdown(report: dict) -> str:
 
 
 def quality_gpu_plot(report: dict, path: Path) -> None:
-    served_k = report["k"]  # the k the bench serves and simulates at
-    import matplotlib
+    from matplotlib.ticker import NullFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt, k = pyplot(), report["k"]  # the k the bench serves and simulates at
     sources = sources_of(report)
     fig, axes = plt.subplots(1, len(sources) + 1, figsize=(4 * (len(sources) + 1), 3.6), sharex=True)
     for ax, source in zip(axes, [None, *sources]):
+        key = metric_key(k, source=source)
         for i, trainer in enumerate(("ours", "speculators")):
-            points = sorted((r["train_tokens"], r["shared_eval"][metric_key(served_k, source=source)])
-                            for n, r in report["drafts"].items()
+            points = sorted((r["train_tokens"], r["shared_eval"][key]) for n, r in report["drafts"].items()
                             if n.startswith(f"{trainer}-") and n.endswith("-s0") and "shared_eval" in r)
             if points:
                 ax.plot(*zip(*points), marker="o", label=trainer, color=f"C{i}")
         for name, record in report["drafts"].items():  # the levers, one point each at the largest budget
             if not name.startswith(("ours-", "speculators-")) and "shared_eval" in record:
-                ax.scatter(record["train_tokens"], record["shared_eval"][metric_key(served_k, source=source)], marker="x",
-                           color="gray")
-                ax.annotate(name.rsplit("-", 2)[0], (record["train_tokens"],
-                            record["shared_eval"][metric_key(served_k, source=source)]), fontsize=6, color="gray")
+                point = (record["train_tokens"], record["shared_eval"][key])
+                ax.scatter(*point, marker="x", color="gray")
+                ax.annotate(name.rsplit("-", 2)[0], point, fontsize=6, color="gray")
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(source or "all prompts")
-        ax.set_xlabel("training tokens")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set(title=source or "all prompts", xlabel="training tokens")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"simulated acceptance length, k={served_k}")
+    axes[0].set_ylabel(f"simulated acceptance length, k={k}")
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 RENDERERS = {"quality": (quality_markdown, quality_plot), "quality_gpu": (quality_gpu_markdown, quality_gpu_plot)}
@@ -454,8 +453,8 @@ def render(name: str, result: Path) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="render a saved bench result's report again")
-    parser.add_argument("name", choices=sorted(RENDERERS))
-    parser.add_argument("result", type=Path)
-    args = parser.parse_args()
+    arguments = parser(__doc__)
+    arguments.add_argument("name", choices=sorted(RENDERERS))
+    arguments.add_argument("result", type=Path)
+    args = arguments.parse_args()
     print(render(args.name, args.result))

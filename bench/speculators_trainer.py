@@ -1,45 +1,37 @@
-"""speculators 0.9.0's own trainer (`speculators train`) on our stage 01-03 outputs, on a CPU machine.
+"""speculators 0.9.0's own trainer (`speculators train`) on our stage 01-03 outputs (bench/quality.py and
+bench/quality_gpu.py train with it).
 
-Two jobs, both used by bench/quality.py:
+`write_dataset(shared_run_dir, out_dir)` writes our data as `speculators train --data-path` reads it (what its
+`prepare_data` + `generate_offline_data` would write): out_dir/, a `datasets` folder (torch format: input_ids,
+loss_mask int64, seq_len) of our 01 train split then our 01 eval split, so that its own `--train-data-ratio`
+split puts exactly our train split in training and our eval split in its validation; out_dir/hidden_states/
+hs_<row>.safetensors: token_ids [T] and hidden_states [T, 4, H] = our 02 aux states (vLLM layer ids) + final
+state, bf16 as captured. d2t / t2d are not copied: `--d2t-path/--t2d-path` point at our 03_vocab.
 
-1. `write_dataset(shared_run_dir, out_dir)`: our data in the format `speculators train` reads from
-   `--data-path` (what its `prepare_data` + `generate_offline_data` would write):
+Run as a script, it is `speculators train <args>` (the same `main(TrainConfig.resolve(argv))` the CLI calls),
+every record its `speculators.metrics` logger emits appended to `<save_path>/../metrics.jsonl`, and, without an
+accelerator (its trainer assumes one), these workarounds applied from the outside:
 
-       out_dir/                 a `datasets` folder (torch format): input_ids int64, loss_mask int64, seq_len,
-                                rows = our 01 train split, then our 01 eval split (so that its own
-                                `--train-data-ratio` split puts exactly our train split in training and
-                                our eval split in its validation)
-       out_dir/hidden_states/   hs_<row>.safetensors: token_ids [T] and hidden_states [T, 4, H] = our 02
-                                aux states (vLLM layer ids [2, 15, 27]) + final state, bf16 as captured
-       d2t / t2d                not copied: `--d2t-path/--t2d-path` point at our 03_vocab/d2t.npy, t2d.npy
+    .venv/bin/python -m bench.speculators_trainer --verifier-name-or-path ... --data-path ... [...]
 
-2. Run as a script, it is `speculators train <args>` (the same `main(TrainConfig.resolve(argv))` the CLI
-   calls) with the minimal CPU workarounds below applied from the outside, and every metric record its
-   `speculators.metrics` logger emits appended to `<save_path>/../metrics.jsonl`:
-
-       .venv/bin/python -m bench.speculators_trainer --verifier-name-or-path ... --data-path ... [...]
-
-   CPU workarounds (speculators 0.9.0's trainer assumes an accelerator):
-   - `Trainer` moves the model and batches to `get_local_rank()` (the integer 0, i.e. cuda:0): patched to
-     return "cpu";
-   - `Trainer.device_type` falls back to "cuda" without an accelerator (autocast on the wrong device):
-     set to "cpu";
-   - `_StepTimer` calls `torch.accelerator.synchronize()`, which raises without an accelerator: made a no-op.
-   Flags the caller sets because the defaults cannot run on a CPU (bench/quality.py records them):
-   `--draft-attn-impl sdpa` (flex attention has no CPU backward), `--loss-implementation eager` (the
-   fused loss is a Triton kernel), `--num-workers 0` (12 spawned loader processes on 2 cores).
-   `--bench-train-lm-head` (ours, not speculators'; ablations only): train its lm_head as ours does.
+- `Trainer` moves the model and batches to `get_local_rank()` (the integer 0, i.e. cuda:0): patched to return "cpu";
+- `Trainer.device_type` falls back to "cuda" (autocast on the wrong device): set to "cpu";
+- `_StepTimer` calls `torch.accelerator.synchronize()`, which raises without an accelerator: made a no-op.
+The flags its defaults need on the machine are `device_flags()`'s (the callers record them).
+`--bench-train-lm-head` (ours, not speculators'; ablations only) trains its lm_head as ours does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from bench.harness import save
 
 
 def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
@@ -58,19 +50,17 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
     reader, layout = open_reader(shared_run_dir / "02_hidden_states")
     (out_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": [], "id": []}
-    for split in splits:
-        for sample in split:
-            index = len(rows["id"])
-            ids = torch.tensor(sample["input_ids"], dtype=torch.long)
-            aux, final = reader.get(sample["id"])
-            if aux.shape[0] != len(ids):
-                raise RuntimeError(f"{sample['id']}: {len(ids)} tokens but {aux.shape[0]} captured states")
-            states = torch.cat([aux, final.unsqueeze(1)], dim=1).to(torch.bfloat16).contiguous()  # [T, 4, H]
-            save_file({"token_ids": ids, "hidden_states": states}, str(out_dir / "hidden_states" / f"hs_{index}.safetensors"))
-            rows["input_ids"].append(ids.tolist())
-            rows["loss_mask"].append([int(m) for m in sample["loss_mask"]])
-            rows["seq_len"].append(len(ids))
-            rows["id"].append(sample["id"])
+    for sample in (sample for split in splits for sample in split):
+        ids = torch.tensor(sample["input_ids"], dtype=torch.long)
+        aux, final = reader.get(sample["id"])
+        if aux.shape[0] != len(ids):
+            raise RuntimeError(f"{sample['id']}: {len(ids)} tokens but {aux.shape[0]} captured states")
+        states = torch.cat([aux, final.unsqueeze(1)], dim=1).to(torch.bfloat16).contiguous()  # [T, 4, H]
+        path = out_dir / "hidden_states" / f"hs_{len(rows['id'])}.safetensors"
+        save_file({"token_ids": ids, "hidden_states": states}, str(path))
+        for key, value in (("input_ids", ids.tolist()), ("loss_mask", [int(m) for m in sample["loss_mask"]]),
+                           ("seq_len", len(ids)), ("id", sample["id"])):
+            rows[key].append(value)
     dataset = datasets.Dataset.from_dict(rows, features=datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")),
         "loss_mask": datasets.Sequence(datasets.Value("int64")),  # speculators' prepare_data writes int64
@@ -80,13 +70,10 @@ def write_dataset(shared_run_dir: Path, out_dir: Path) -> dict:
     dataset.set_format(type="torch")  # what speculators' prepare_data saves; its dataset compares tensors
     dataset.save_to_disk(str(out_dir))
     n_train, n_eval = len(splits[0]), len(splits[1])
-    facts = {
-        "train_rows": n_train, "eval_rows": n_eval,
-        # ArrowDataset splits at int(N * ratio): (n_train + 0.5) / N lands on n_train exactly
-        "train_data_ratio": (n_train + 0.5) / (n_train + n_eval),
-        "aux_layer_ids": layout.aux_layer_ids,
-    }
-    done.write_text(json.dumps(facts, indent=2) + "\n")
+    # ArrowDataset splits at int(N * ratio): (n_train + 0.5) / N lands on n_train exactly
+    facts = {"train_rows": n_train, "eval_rows": n_eval, "train_data_ratio": (n_train + 0.5) / (n_train + n_eval),
+             "aux_layer_ids": layout.aux_layer_ids}
+    save(done, facts)
     return facts
 
 
@@ -107,6 +94,39 @@ def train_batches(data_dir: Path, total_seq_len: int, train_data_ratio: float, s
         sampler.set_epoch(epoch)
         rows += [sum(training_rows(min(lengths[i], total_seq_len)) for i in batch) for batch in sampler]
     return rows
+
+
+def device_flags() -> list[str]:
+    """The `speculators train` flags its defaults need on this machine."""
+    if torch.cuda.is_available():
+        # its fused loss is a Triton kernel that fails under torch 2.11 (bench/train_throughput.py); the loader's
+        # processes are capped so that several trainings share the node's cores
+        return ["--loss-implementation", "eager", "--num-workers", "4"]
+    # CPU: flex attention has no CPU backward, the fused loss is a Triton kernel, 2 cores, fp32 as ours
+    return ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+            "--hidden-states-dtype", "float32"]
+
+
+def outputs(run_dir: Path) -> dict:
+    """What a finished `speculators train` left in `run_dir`: its last checkpoint copied to export/, its own
+    validation figures and resolved config."""
+    checkpoints = sorted((p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    export = run_dir / "export"
+    export.mkdir(exist_ok=True)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy2(checkpoints[-1] / file, export / file)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [m["val"] for m in metrics if "val" in m]
+    resolved = run_dir / "checkpoints" / "run.yaml"
+    return {
+        "steps_logged": sum("train" in m for m in metrics),
+        "own_eval": val[-1] if val else None,
+        "own_eval_definition": "speculators' own validation (its --train-data-ratio split = our eval split), last "
+                               "epoch: full_acc_k = steps 0..k all correct (teacher forced), cond_acc_k = step k "
+                               "correct given 0..k-1 correct; its step alignment ignores document boundaries",
+        "resolved_config": resolved.read_text() if resolved.exists() else None,
+        "checkpoint": str(checkpoints[-1]), "export": str(export), "export_speculators": str(export),
+    }
 
 
 # ------------------------------------------------------------------------------------------ CPU launch

@@ -18,7 +18,6 @@ wall time of each stage and of the whole run, and the most stream bytes seen on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,23 +28,16 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import ROOT
-
-
-def sets(run_dir: Path, args, stream: bool) -> list[str]:
-    values = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
-              "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
-              "train.num_workers=0", *args.set]
-    if stream:
-        values += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"]
-    return values
+from bench.harness import RESULTS, ROOT, parser, save, stage_cmd
 
 
 def start(script: str, config: Path, run_dir: Path, args, stream: bool, log: Path) -> subprocess.Popen:
-    command = [sys.executable, script, "--config", str(config)]
-    for value in sets(run_dir, args, stream):
-        command += ["--set", value]
-    return subprocess.Popen(command, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    """A stage script started with the bench's settings, its output in `log`."""
+    sets = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
+            "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
+            "train.num_workers=0", *args.set]
+    sets += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"] if stream else []
+    return subprocess.Popen(stage_cmd(script, config, sets), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def wait(job: subprocess.Popen, log: Path) -> float:
@@ -57,16 +49,15 @@ def wait(job: subprocess.Popen, log: Path) -> float:
 
 
 def sample_bytes(folder: Path, stop: threading.Event, peak: list[int]) -> None:
+    """The most bytes of stream packs in `folder` at once, looked at 5 times a second until `stop`."""
     while not stop.is_set():
-        if folder.is_dir():
-            sizes = []
-            for entry in os.scandir(folder):
-                if "pack_" in entry.name:
-                    try:
-                        sizes.append(entry.stat().st_size)
-                    except FileNotFoundError:
-                        pass
-            peak[0] = max(peak[0], sum(sizes))
+        sizes = []
+        for entry in os.scandir(folder) if folder.is_dir() else ():
+            try:
+                sizes.append(entry.stat().st_size if "pack_" in entry.name else 0)
+            except FileNotFoundError:
+                pass
+        peak[0] = max(peak[0], sum(sizes))
         time.sleep(0.2)
 
 
@@ -81,11 +72,10 @@ def training_figures(run_dir: Path) -> dict:
 
 
 def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
-    run_dir = prepared.parent / mode
+    run_dir, stream = prepared.parent / mode, mode == "stream"
     shutil.rmtree(run_dir, ignore_errors=True)
     for stage in ("01_data", "03_vocab"):
         shutil.copytree(prepared / stage, run_dir / stage)
-    stream = mode == "stream"
     logs = {name: prepared.parent / f"{mode}-{name}.log" for name in ("02", "04")}
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=sample_bytes, args=(run_dir / "02_hidden_states" / "stream", stop, peak))
@@ -93,27 +83,23 @@ def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
     started = time.perf_counter()
     capture = start("02_generate_hidden_states.py", config, run_dir, args, stream, logs["02"])
     if stream:
-        train = start("04_train.py", config, run_dir, args, stream, logs["04"])
-        train_s = wait(train, logs["04"])
+        train_s = wait(start("04_train.py", config, run_dir, args, stream, logs["04"]), logs["04"])
         capture_s = train_s + wait(capture, logs["02"])
     else:
         capture_s = wait(capture, logs["02"])
-        train = start("04_train.py", config, run_dir, args, stream, logs["04"])
-        train_s = wait(train, logs["04"])
+        train_s = wait(start("04_train.py", config, run_dir, args, stream, logs["04"]), logs["04"])
     wall = time.perf_counter() - started
     stop.set()
     sampler.join()
-    manifest = json.loads((run_dir / "02_hidden_states" / "manifest.json").read_text())
+    counts = json.loads((run_dir / "02_hidden_states" / "manifest.json").read_text())["counts"]
     result = {"mode": mode, "wall_s": round(wall, 1), "capture_stage_s": round(capture_s, 1),
               "train_stage_s": round(train_s, 1), **training_figures(run_dir)}
-    if stream:
-        streamed = manifest["counts"]["stream"]
-        result |= {"capture_waited_s": streamed["waited_s"], "capture_wait_frac": streamed["waited_s"] / capture_s,
-                   "streamed_bytes": streamed["bytes"], "most_held_bytes": peak[0],
-                   "window_bytes": int(args.window_gb * 1e9)}
-    else:
-        result["bytes_on_disk"] = manifest["counts"]["bytes_on_disk"]
-    return result
+    if not stream:
+        return result | {"bytes_on_disk": counts["bytes_on_disk"]}
+    return result | {"capture_waited_s": counts["stream"]["waited_s"],
+                     "capture_wait_frac": counts["stream"]["waited_s"] / capture_s,
+                     "streamed_bytes": counts["stream"]["bytes"], "most_held_bytes": peak[0],
+                     "window_bytes": int(args.window_gb * 1e9)}
 
 
 def prepare(work: Path, config_path: Path, args) -> Path:
@@ -143,9 +129,8 @@ def report(results: list[dict], args) -> str:
         ("04 training tokens/s (median)", f"{offline['tokens_per_s_median']:,.0f}", f"{stream['tokens_per_s_median']:,.0f}"),
         ("04 time waiting for data", f"{offline['data_wait_frac_mean']:.1%}", f"{stream['data_wait_frac_mean']:.1%}"),
         ("02 time waiting for room", "-", f"{stream['capture_wait_frac']:.1%}"),
-        ("02 stage wall s", f"{offline['capture_stage_s']}", f"{stream['capture_stage_s']}"),
-        ("04 stage wall s", f"{offline['train_stage_s']}", f"{stream['train_stage_s']}"),
-        ("02 + 04 wall s", f"{offline['wall_s']}", f"{stream['wall_s']}"),
+        *((f"{label} wall s", f"{offline[key]}", f"{stream[key]}") for label, key in (
+            ("02 stage", "capture_stage_s"), ("04 stage", "train_stage_s"), ("02 + 04", "wall_s"))),
         ("states on disk, most", f"{offline['bytes_on_disk'] / 1e6:.1f} MB",
          f"{stream['most_held_bytes'] / 1e6:.1f} MB (window {stream['window_bytes'] / 1e6:.0f} MB)"),
     ]
@@ -159,27 +144,26 @@ def report(results: list[dict], args) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=320, help="tokens per sample at most")
-    parser.add_argument("--packed-length", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--window-gb", type=float, default=0.02, help="about 4 packs of 1024 rows")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stream.json")
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
-    parser.add_argument("--set", action="append", default=[], help="config override KEY=VALUE for 02 and 04 (repeatable)")
-    parser.add_argument("--prepared", type=Path, default=None, help="a run whose 01_data and 03_vocab to use")
-    args = parser.parse_args()
-
+    arguments = parser(__doc__)
+    arguments.add_argument("--samples", type=int, default=48)
+    arguments.add_argument("--max-tokens", type=int, default=320, help="tokens per sample at most")
+    arguments.add_argument("--packed-length", type=int, default=1024)
+    arguments.add_argument("--steps", type=int, default=24)
+    arguments.add_argument("--window-gb", type=float, default=0.02, help="about 4 packs of 1024 rows")
+    arguments.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
+    arguments.add_argument("--out", type=Path, default=RESULTS / "stream.json")
+    arguments.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
+    arguments.add_argument("--set", action="append", default=[], help="config override KEY=VALUE for 02 and 04 "
+                           "(repeatable)")
+    arguments.add_argument("--prepared", type=Path, default=None, help="a run whose 01_data and 03_vocab to use")
+    args = arguments.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     config = args.work / args.config.name
     shutil.copy(args.config, config)
     prepared = prepare(args.work, config, args)
     results = [run_mode(mode, prepared, config, args) for mode in ("offline", "stream")]
-    load = os.getloadavg()[0]
-    args.out.write_text(json.dumps({"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
-                                    "load_average_1min_at_end": load, "runs": results}, indent=2, default=str) + "\n")
+    save(args.out, {"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
+                    "load_average_1min_at_end": os.getloadavg()[0], "runs": results})
     table = report(results, args)
     args.out.with_suffix(".md").write_text(table)
     print(table)

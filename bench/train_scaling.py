@@ -41,8 +41,6 @@ stand-in package is put on the launched processes' PYTHONPATH.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import math
 import os
@@ -59,7 +57,7 @@ import numpy as np
 import torch
 import yaml
 
-from bench.harness import ROOT, versions
+from bench.harness import RESULTS, ROOT, failure, parser, save, stand_ins, versions
 
 # Shapes: the base config, the target's facts (what the fabricated target folder holds) and the run's size.
 SHAPES = {
@@ -96,62 +94,40 @@ TOLERANCE = {"no": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: demo kimi (GPU), tiny (CPU)")
-    parser.add_argument("--processes", nargs="+", type=int, help="process counts besides 1 (default: the GPU "
-                        "count, 2 on CPU); the global batch is the largest")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3_train_scaling"), help="inputs and run dirs")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "train_scaling.json")
-    parser.add_argument("--log", type=Path, help="all runs' output, one file (default: beside --out)")
-    parser.add_argument("--deadline-s", type=float, default=math.inf, help="skip runs that would end later")
-    parser.add_argument("--runs", nargs="+", help="only these runs (one, multi_P, chain_P_1_P, one_again, one_half)")
-    parser.add_argument("--reference", type=Path, help="an earlier result whose runs are compared against here")
-    parser.add_argument("--keep", action="store_true", help="keep --work (default: deleted at the end)")
-    return parser
+def parse_args():
+    arguments = parser(__doc__)
+    arguments.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: demo kimi (GPU), tiny (CPU)")
+    arguments.add_argument("--processes", nargs="+", type=int, help="process counts besides 1 (default: the GPU "
+                           "count, 2 on CPU); the global batch is the largest")
+    arguments.add_argument("--work", type=Path, default=Path("/tmp/eagle3_train_scaling"), help="inputs and run dirs")
+    arguments.add_argument("--out", type=Path, default=RESULTS / "train_scaling.json")
+    arguments.add_argument("--log", type=Path, help="all runs' output, one file (default: beside --out)")
+    arguments.add_argument("--deadline-s", type=float, default=math.inf, help="skip runs that would end later")
+    arguments.add_argument("--runs", nargs="+", help="only these runs (one, multi_P, chain_P_1_P, one_again, one_half)")
+    arguments.add_argument("--reference", type=Path, help="an earlier result whose runs are compared against here")
+    arguments.add_argument("--keep", action="store_true", help="keep --work (default: deleted at the end)")
+    args = arguments.parse_args()
+    cuda = torch.cuda.is_available()
+    args.shapes = args.shapes or (["demo", "kimi"] if cuda else ["tiny"])
+    args.processes = sorted(set(args.processes or [max(2, torch.cuda.device_count()) if cuda else 2]))
+    if cuda and max(args.processes) > torch.cuda.device_count():
+        arguments.error(f"--processes {max(args.processes)}: this node has {torch.cuda.device_count()} GPUs")
+    args.log = args.log or args.out.with_suffix(".log")
+    return args
 
 
 def main() -> None:
-    parser = arguments()
-    args = parser.parse_args()
-
-    started = time.monotonic()
-    cuda = torch.cuda.is_available()
-    shapes = args.shapes or (["demo", "kimi"] if cuda else ["tiny"])
-    processes = sorted(set(args.processes or [max(2, torch.cuda.device_count()) if cuda else 2]))
-    if cuda and max(processes) > torch.cuda.device_count():
-        parser.error(f"--processes {max(processes)}: this node has {torch.cuda.device_count()} GPUs")
-    log_path = args.log or args.out.with_suffix(".log")
-    for path in (args.out, log_path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text("")
-    if args.work.exists():
-        shutil.rmtree(args.work)
+    args = parse_args()
+    started, cuda, processes = time.monotonic(), torch.cuda.is_available(), args.processes
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    args.log.write_text("")
+    shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    bench = Bench(args.work, cuda, log_path, started, args.deadline_s)
+    bench = Bench(args.work, cuda, args.log, started, args.deadline_s)
     result = {"device": device_name(cuda), "gpus": torch.cuda.device_count() if cuda else 0,
               "processes": processes, "global_batch_packs": max(processes), "versions": versions(),
               "topology": topology() if cuda else None, "tolerance_rel_loss": TOLERANCE, "shapes": {}}
-
-    def save() -> None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-
-    plans = {}
-    reference = json.loads(args.reference.read_text()) if args.reference else {"shapes": {}}
-    if args.reference:
-        result["reference"] = {"file": str(args.reference), "device": reference.get("device"),
-                               "versions": reference.get("versions")}
-    for name in shapes:
-        shape = SHAPES[name]
-        earlier = reference["shapes"].get(name, {}).get("runs", {})
-        entry = result["shapes"][name] = {"runs": {run: {**record, "from_reference": True}
-                                                   for run, record in earlier.items() if record.get("returncode") == 0}}
-        try:
-            plans[name] = bench.prepare(name, shape, max(processes), entry)
-        except Exception as err:  # noqa: BLE001 - one shape failing must not lose the others
-            entry["error"] = f"{type(err).__name__}: {err}"[:3000]
-            print(f"{name}: inputs failed: {entry['error']}", flush=True)
-        save()
+    plans = prepare_shapes(bench, args, result)
     for name, run, legs in schedule(plans, processes):
         if args.runs and run not in args.runs:
             continue
@@ -159,18 +135,38 @@ def main() -> None:
         entry["runs"][run] = record = {"legs": []}
         for leg in legs:
             done = bench.run_leg(name, run, leg, plans[name], record)
-            entry.update(summarize(entry["runs"], plans[name], processes))
-            save()
+            entry.update(summarize(entry["runs"], plans[name]["shape"], plans[name]["precision"], processes))
+            save(args.out, result, indent=1)
             if not done:
                 break
-        bench.finish_run(name, run, plans[name], record)
-        entry.update(summarize(entry["runs"], plans[name], processes))
-        save()
+        bench.finish_run(run, plans[name], record)
+        entry.update(summarize(entry["runs"], plans[name]["shape"], plans[name]["precision"], processes))
+        save(args.out, result, indent=1)
     print_summary(result)
-    save()
+    save(args.out, result, indent=1)
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
-    print(f"wrote {args.out} and {log_path} in {time.monotonic() - started:.0f} s")
+    print(f"wrote {args.out} and {args.log} in {time.monotonic() - started:.0f} s")
+
+
+def prepare_shapes(bench, args, result: dict) -> dict:
+    """Each shape's inputs (a shape that fails is recorded and left out), with the runs of --reference."""
+    reference = json.loads(args.reference.read_text()) if args.reference else {"shapes": {}}
+    if args.reference:
+        result["reference"] = {"file": str(args.reference), "device": reference.get("device"),
+                               "versions": reference.get("versions")}
+    plans = {}
+    for name in args.shapes:
+        earlier = reference["shapes"].get(name, {}).get("runs", {})
+        entry = result["shapes"][name] = {"runs": {run: {**record, "from_reference": True}
+                                                   for run, record in earlier.items() if record.get("returncode") == 0}}
+        try:
+            plans[name] = bench.prepare(name, SHAPES[name], max(args.processes), entry)
+        except Exception as err:  # noqa: BLE001 - one shape failing must not lose the others
+            entry["error"] = failure(err, 3000)
+            print(f"{name}: inputs failed: {entry['error']}", flush=True)
+        save(args.out, result, indent=1)
+    return plans
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -202,7 +198,6 @@ def config_tree(shape: dict, target: Path) -> dict:
     tree["target"] |= {"path": str(target), "stand_in": None, "weight_prefix": shape["prefix"]}
     tree["capture"]["aux_layer_ids"] = shape["aux_layer_ids"]
     tree["draft"] |= shape.get("draft", {})
-    tree["vocab"] |= shape.get("vocab_section", {})
     steps, resume_at = shape["steps"], shape["resume_at"]
     tree["train"] |= {"max_steps": steps, "eval_every": steps, "checkpoint_every": resume_at,
                       "keep_checkpoints": 3, **shape.get("train", {})}
@@ -217,16 +212,9 @@ class Bench:
         self.port = 29600
         self.env = {**os.environ, **MULTICAST_OFF, "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": "4" if cuda else "1"}  # the same in every launch, 1 and P processes
-        if importlib.util.find_spec("openai") is None:
-            stubs = work / "stubs"
-            for module in ("__init__", "types/__init__", "types/chat", "types/completion"):
-                path = stubs / "openai" / f"{module}.py"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text("def __getattr__(name):  # empty stand-in: imported by speculators, never called\n"
-                                "    if name.startswith('__'):\n        raise AttributeError(name)\n"
-                                "    return type(name, (), {})\n")
-            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stubs), self.env.get("PYTHONPATH")]))
-            sys.path.append(str(stubs))
+        stubs = stand_ins(work / "stubs")
+        if stubs:
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [stubs, self.env.get("PYTHONPATH")]))
 
     def remaining(self) -> float:
         return self.deadline_s - (time.monotonic() - self.started)
@@ -257,12 +245,11 @@ class Bench:
         }
         entry["inputs"] = {**counts, "fabricate_s": round(time.monotonic() - start, 1)}
         print(f"{name}: inputs in {entry['inputs']['fabricate_s']} s: {counts}", flush=True)
-        return {"folder": folder, "config_path": config_path, "shape": shape, "tree": tree}
+        return {"folder": folder, "config_path": config_path, "shape": shape, "precision": train.mixed_precision}
 
     def run_leg(self, name: str, run: str, leg: tuple, plan: dict, record: dict) -> bool:
         """One launch of `run` (in its run_dir); False when it was skipped or failed."""
-        folder = plan["folder"]
-        run_dir = folder / run
+        run_dir = plan["folder"] / run
         procs, accumulation, stop = leg
         first = not record["legs"]
         if first:
@@ -273,20 +260,19 @@ class Bench:
                                  f"{self.remaining():.0f} s left before --deadline-s")
             print(f"{name}/{run}: skipped ({record['skipped']})", flush=True)
             return False
-        if first:
-            for stage in ("01_data", "02_hidden_states", "03_vocab"):
-                (run_dir / stage).parent.mkdir(parents=True, exist_ok=True)
-                (run_dir / stage).symlink_to(folder / "inputs" / stage)
+        for stage in ("01_data", "02_hidden_states", "03_vocab") if first else ():
+            (run_dir / stage).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / stage).symlink_to(plan["folder"] / "inputs" / stage)
         sets = [f"run_dir={run_dir}", f"train.grad_accumulation={accumulation}"]
         argv = ["04_train.py", "--config", str(plan["config_path"]), *[a for s in sets for a in ("--set", s)]]
         argv += ([] if first else ["--resume"]) + ([] if stop is None else ["--stop-at-step", str(stop)])
-        command, shown = self.launcher(procs) + argv, self.shown_launcher(procs) + argv
+        command, shown = self.launcher(procs)
         entry = {"processes": procs, "grad_accumulation": accumulation, "stop_at_step": stop,
-                 "command": " ".join(shown)}
+                 "command": " ".join(shown + argv)}
         record["legs"].append(entry)
         print(f"{name}/{run}: {entry['command']}", flush=True)
         start = time.monotonic()
-        returncode, tail = self.execute(command, f"{name}/{run}", timeout=max(10.0, self.remaining()))
+        returncode, tail = self.execute(command + argv, f"{name}/{run}", timeout=max(10.0, self.remaining()))
         entry |= {"returncode": returncode, "wall_s": round(time.monotonic() - start, 1)}
         record["returncode"] = returncode
         record |= read_metrics(run_dir / "04_train")
@@ -298,7 +284,7 @@ class Bench:
             plan["estimate_s"] = max(plan.get("estimate_s", 0), entry["wall_s"])
         return True
 
-    def finish_run(self, name: str, run: str, plan: dict, record: dict) -> None:
+    def finish_run(self, run: str, plan: dict, record: dict) -> None:
         train_dir = plan["folder"] / run / "04_train"
         manifest = train_dir / "manifest.json"
         if manifest.is_file():
@@ -307,22 +293,17 @@ class Bench:
             record["unfinished"] = True  # a leg was skipped or failed: compared over the steps it reached
         shutil.rmtree(train_dir / "checkpoints", ignore_errors=True)  # a Kimi-shaped one is ~14 GB
 
-    def launcher(self, procs: int) -> list[str]:
+    def launcher(self, procs: int) -> tuple[list[str], list[str]]:
+        """The command that starts `procs` processes, and the same as a user types it."""
         if procs == 1:
-            return [sys.executable]
+            return [sys.executable], ["python"]
         self.port += 7  # a fresh port each launch: the last one may linger in TIME_WAIT
         if self.cuda:
-            return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                    str(procs), "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port",
-                    str(self.port)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
-
-    def shown_launcher(self, procs: int) -> list[str]:
-        if procs == 1:
-            return ["python"]
-        if self.cuda:
-            return ["accelerate", "launch", "--multi_gpu", "--num_processes", str(procs)]
-        return ["torchrun", "--standalone", "--nproc_per_node", str(procs)]
+            return ([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(procs),
+                     "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(self.port)],
+                    ["accelerate", "launch", "--multi_gpu", "--num_processes", str(procs)])
+        return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)],
+                ["torchrun", "--standalone", "--nproc_per_node", str(procs)])
 
     def execute(self, command: list[str], label: str, timeout: float) -> tuple[int, str]:
         """Run in its own process group (killed whole at the deadline); output appended to the log."""
@@ -332,12 +313,8 @@ class Bench:
             process = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
             killed = threading.Event()
-
-            def kill() -> None:
-                killed.set()
-                os.killpg(process.pid, signal.SIGKILL)
-
-            timer = threading.Timer(min(timeout, 7 * 86400), kill)
+            timer = threading.Timer(min(timeout, 7 * 86400),
+                                    lambda: (killed.set(), os.killpg(process.pid, signal.SIGKILL)))
             timer.start()
             lines = []
             try:
@@ -376,7 +353,7 @@ def write_target(folder: Path, shape: dict, device: torch.device) -> None:
             "num_hidden_layers": max(shape["aux_layer_ids"]) + 3,  # the aux ids are the default (2, L//2, L-3)
             "tie_word_embeddings": shape["tied"]}
     config = {"model_type": "kimi_k25", "text_config": text} if prefix else {"model_type": "llama", **text}
-    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    save(folder / "config.json", config, indent=1)
 
 
 def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
@@ -409,7 +386,6 @@ def fabricate_inputs(config, shape: dict, device: torch.device) -> dict:
               for s in every]
     write_states_stage(config, states, shape["aux_layer_ids"])
     vocab.run(config)
-
     rows = sum(training_rows(len(s["input_ids"])) for s in samples["train"])
     return {"train_samples": len(samples["train"]), "eval_samples": len(samples["eval"]), "train_rows": rows,
             "states_gib": round(sum(len(s["input_ids"]) for s in every) * (num_aux + 1) * hidden * 2 / 2**30, 2)}
@@ -436,8 +412,7 @@ def compare(want: list[dict], got: list[dict], first_step: int = 1) -> dict:
         [k for k in ("lr", "grad_norm") if k in want_by[steps[0]]]
     for key in keys:
         a = np.array([want_by[s][key] for s in steps])
-        b = np.array([got_by[s][key] for s in steps])
-        diff = np.abs(a - b)
+        diff = np.abs(a - np.array([got_by[s][key] for s in steps]))
         out[key] = {"max_abs": float(diff.max()), "max_rel": float((diff / np.maximum(np.abs(a), 1e-12)).max()),
                     "at_step": int(steps[int(diff.argmax())])}
     losses = [k for k in keys if k.startswith("loss_")]
@@ -447,46 +422,45 @@ def compare(want: list[dict], got: list[dict], first_step: int = 1) -> dict:
     return out
 
 
-def throughput(records: list[dict], processes: int, measure_from: int, skip: set[int]) -> dict | None:
-    rows = [r for r in records if r["step"] >= measure_from and r["step"] not in skip]
+def throughput(run: dict, measure_from: int, skip: set[int]) -> dict | None:
+    rows = [r for r in run["train"] if r["step"] >= measure_from and r["step"] not in skip]
     if not rows:
         return None
     tokens = statistics.median(r["tokens_per_s"] for r in rows)
-    out = {"tokens_per_s": tokens, "tokens_per_s_per_gpu": tokens / processes, "steps_measured": len(rows)}
+    out = {"tokens_per_s": tokens, "tokens_per_s_per_gpu": tokens / run["processes"], "steps_measured": len(rows)}
     if "mfu" in rows[0]:
         out["mfu"] = statistics.median(r["mfu"] for r in rows)
+    if run.get("from_reference"):
+        out["from_reference"] = True
     return out
 
 
-def summarize(runs: dict, plan: dict, processes: list[int]) -> dict:
-    shape, precision = plan["shape"], plan["tree"]["train"]["mixed_precision"]
+def against_one(name: str, run: dict, done: dict, tolerance: float) -> dict:
+    """A run's curves against the 1-process run's (a chain's also against the uninterrupted P-process run's)."""
+    one = done["one"]
+    entry = {"train": compare(one["train"], run["train"]), "eval": compare(one["eval"], run["eval"])}
+    if len(run.get("legs", [None])) > 1 and f"multi_{run['processes']}" in done:
+        entry["train_vs_multi"] = compare(done[f"multi_{run['processes']}"]["train"], run["train"])
+    if run.get("from_reference") != one.get("from_reference"):
+        entry["note"] = "the two runs were made in different leases (machines), the same code and inputs"
+    entry["within_tolerance"] = bool(entry["train"].get("max_rel_loss", math.inf) <= tolerance)
+    entry["all_steps_compared"] = not entry["train"]["missing_steps"]
+    if name == "one_half":
+        entry["control"] = "another global batch: a real difference, expected outside the tolerance"
+    return entry
+
+
+def summarize(runs: dict, shape: dict, precision: str, processes: list[int]) -> dict:
+    """Every finished run against one, the throughput of the runs without a resume, the scaling efficiency."""
     tolerance = TOLERANCE[precision]
     done = {name: run for name, run in runs.items() if run.get("returncode") == 0}
-    comparisons, speeds = {}, {}
-    one = done.get("one")
-    # the step after a checkpoint also times its save: not a training step's speed
-    every = plan["tree"]["train"]["checkpoint_every"]
-    skip = {step + 1 for step in range(every, shape["steps"], every)}
-    for name, run in done.items():
-        chain = len(run.get("legs", [None])) > 1
-        if not chain and name != "one_half":
-            speeds[name] = throughput(run["train"], run["processes"], shape["measure_from"], skip)
-            if speeds[name] and run.get("from_reference"):
-                speeds[name]["from_reference"] = True
-        if one is None or name == "one":
-            continue
-        entry = {"train": compare(one["train"], run["train"]), "eval": compare(one["eval"], run["eval"])}
-        if chain and f"multi_{run['processes']}" in done:  # also against the uninterrupted P-process run
-            entry["train_vs_multi"] = compare(done[f"multi_{run['processes']}"]["train"], run["train"])
-        if run.get("from_reference") != one.get("from_reference"):
-            entry["note"] = "the two runs were made in different leases (machines), the same code and inputs"
-        entry["within_tolerance"] = bool(entry["train"].get("max_rel_loss", math.inf) <= tolerance)
-        entry["all_steps_compared"] = not entry["train"]["missing_steps"]
-        if name == "one_half":
-            entry["control"] = "another global batch: a real difference, expected outside the tolerance"
-        comparisons[f"{name}_vs_one"] = entry
-    scaling = {}
-    base = speeds.get("one")
+    # the step after a checkpoint (config_tree: every resume_at steps) also times its save: not a training step's
+    skip = {step + 1 for step in range(shape["resume_at"], shape["steps"], shape["resume_at"])}
+    speeds = {name: throughput(run, shape["measure_from"], skip) for name, run in done.items()
+              if len(run.get("legs", [None])) == 1 and name != "one_half"}
+    comparisons = {f"{name}_vs_one": against_one(name, run, done, tolerance) for name, run in done.items()
+                   if "one" in done and name != "one"}
+    scaling, base = {}, speeds.get("one")
     for p in processes:
         multi = speeds.get(f"multi_{p}")
         if base and multi:
@@ -509,8 +483,7 @@ def print_summary(result: dict) -> None:
         for label, s in entry.get("throughput", {}).items():
             if s:
                 mfu = f", MFU {s['mfu']:.1%}" if "mfu" in s else ""
-                print(f"  {label:<22} {s['tokens_per_s']:>10.0f} tokens/s, "
-                      f"{s['tokens_per_s_per_gpu']:>10.0f} per GPU{mfu}")
+                print(f"  {label:<22} {s['tokens_per_s']:>10.0f} tokens/s, {s['tokens_per_s_per_gpu']:>10.0f} per GPU{mfu}")
         for p, s in entry.get("scaling", {}).items():
             print(f"  scaling 1 -> {p} GPUs: efficiency {s['efficiency']:.1%}")
         for label, run in entry.get("runs", {}).items():
@@ -522,9 +495,7 @@ def print_summary(result: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ context
 def device_name(cuda: bool) -> str:
-    if not cuda:
-        return "cpu"
-    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if cuda else "cpu"
 
 
 def topology() -> str | None:
@@ -532,8 +503,6 @@ def topology() -> str | None:
         return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-
-
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ weights, fused AdamW and gradient clipping, in one process one after the other:
 
 Reported per model: median step time over the measured steps (synchronised before and after each), tokens/s,
 achieved TFLOP/s from the FLOP count documented in eagle3_pipeline/train/flops.py (each model's own: a frozen
-lm_head costs less), MFU against the GPU's dense bf16 peak and against a bf16 matrix product measured here,
+lm_head costs less), MFU against the GPU's dense bf16 peak (a bf16 matrix product's rate measured here beside it),
 peak memory. `--profile` adds the device time per kernel and per kind of kernel (torch profiler, 2 steps);
 `--loss-curve N` trains ours with train.fp8 false and true from one initialisation and compares the losses.
-Prints a table, writes JSON.
+Prints each model's row of the report as it is measured; writes the JSON and the report (.md).
 
     python -m bench.train_throughput --profile --loss-curve 30   # one H200: the Kimi draft (configs/kimi_k25.yaml)
     python -m bench.train_throughput --tiny                      # CPU smoke test: configs/tiny_kimi.yaml's draft
@@ -29,42 +29,42 @@ are missing).
 
 from __future__ import annotations
 
-import argparse
 import gc
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import statistics
-import sys
+import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
 
-from bench.harness import ROOT, versions
-IMPORTED_NOT_CALLED = ("datasets", "openai")  # speculators.train.data imports them at module level
+from bench.harness import RESULTS, ROOT, failure, parser, save, stand_ins, synchronize, versions
+
 CHUNK_ROWS = 1024  # train.loss_chunk_rows measured when the config ships the plain loss
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny_kimi draft, short row, CPU friendly")
-    parser.add_argument("--packed-length", type=int, help="rows per packed sequence (default 4096; tiny 256)")
-    parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, help="unmeasured steps first (compilation; default 3, tiny 1)")
-    parser.add_argument("--steps", type=int, help="measured steps (default 8, tiny 2)")
-    parser.add_argument("--only", nargs="+", help="run these variants (names as printed)")
-    parser.add_argument("--render", type=Path, metavar="JSON",
-                        help="only write the Markdown tables of an earlier result (JSON -> .md beside it)")
-    parser.add_argument("--loss-curve", type=int, default=0, metavar="N",
-                        help="also train ours with train.fp8 false and true for N steps from one initialisation "
-                             "(4 synthetic batches in turn) and compare the losses")
-    parser.add_argument("--out", type=Path, help="JSON result (default bench/results/train_throughput[-tiny].json)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile 2 steps of each model (torch profiler): top kernels and their share")
-    return parser.parse_args()
+def parse_args():
+    arguments = parser(__doc__)
+    arguments.add_argument("--tiny", action="store_true", help="tiny_kimi draft, short row, CPU friendly")
+    arguments.add_argument("--packed-length", type=int, help="rows per packed sequence (default 4096; tiny 256)")
+    arguments.add_argument("--ttt-steps", type=int, default=3)
+    arguments.add_argument("--warmup", type=int, help="unmeasured steps first (compilation; default 3, tiny 1)")
+    arguments.add_argument("--steps", type=int, help="measured steps (default 8, tiny 2)")
+    arguments.add_argument("--only", nargs="+", help="run these variants (names as printed)")
+    arguments.add_argument("--render", type=Path, metavar="JSON",
+                           help="only write the Markdown tables of an earlier result (JSON -> .md beside it)")
+    arguments.add_argument("--loss-curve", type=int, default=0, metavar="N",
+                           help="also train ours with train.fp8 false and true for N steps from one initialisation "
+                                "(4 synthetic batches in turn) and compare the losses")
+    arguments.add_argument("--out", type=Path, help="JSON result (default bench/results/train_throughput[-tiny].json)")
+    arguments.add_argument("--profile", action="store_true",
+                           help="also profile 2 steps of each model (torch profiler): top kernels and their share")
+    args = arguments.parse_args()
+    tiny = args.tiny
+    args.packed_length = args.packed_length or (256 if tiny else 4096)
+    args.warmup, args.steps = args.warmup or (1 if tiny else 3), args.steps or (2 if tiny else 8)
+    args.out = args.out or RESULTS / f"train_throughput{'-tiny' if tiny else ''}.json"
+    return args
 
 
 def main() -> None:
@@ -72,36 +72,27 @@ def main() -> None:
     if args.render:
         write_markdown(json.loads(args.render.read_text()), args.render.with_suffix(".md"))
         return
-    length = args.packed_length or (256 if args.tiny else 4096)
-    warmup, steps = args.warmup or (1 if args.tiny else 3), args.steps or (2 if args.tiny else 8)
-    out = args.out or ROOT / "bench" / "results" / f"train_throughput{'-tiny' if args.tiny else ''}.json"
-
     import transformers  # noqa: F401  (loaded before the stand-ins below, so it never sees them)
 
-    stand_in_missing_modules(IMPORTED_NOT_CALLED)
+    stand_ins(Path(tempfile.mkdtemp(prefix="bench-stand-ins-")))
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.train.flops import peak_flops
 
     config = load_config(ROOT / "configs" / ("tiny_kimi.yaml" if args.tiny else "kimi_k25.yaml"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batch = synthetic_batch(config.draft, target_vocab=163840, length=length, device=device)
+    batch = synthetic_batch(config.draft, target_vocab=163840, length=args.packed_length, device=device)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "packed_length": length, "ttt_steps": args.ttt_steps, "measured_steps": steps,
+               "packed_length": args.packed_length, "ttt_steps": args.ttt_steps, "measured_steps": args.steps,
                "peak_bf16_tflops": (peak_flops(device) or 0) / 1e12, "matmul_tflops": matmul_tflops(device),
                "versions": versions(), "runs": {}}
     options = variants(config.train, device)
-    print_header(results)
+    print("\n".join(header_lines(results)))
     for name in args.only or [*options, "speculators"]:
         try:
-            results["runs"][name] = measure(name, options.get(name), config, batch, args.ttt_steps, warmup, steps,
-                                            device, args.profile)
+            run = results["runs"][name] = measure(name, options.get(name), config, batch, args, device)
         except Exception as err:  # noqa: BLE001 - a variant failing (compiler, memory) must not lose the others
-            results["runs"][name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-            print(f"{name}: failed: {results['runs'][name]['error'][:300]}")
-        else:
-            print_row(name, results["runs"][name], results)
-            if args.profile:
-                print_profile(name, results["runs"][name]["profile"])
+            run = results["runs"][name] = {"error": failure(err)}
+        print("\n".join([run_line(name, run, results["peak_bf16_tflops"]), *profile_lines(name, run)]), flush=True)
         gc.collect()  # the failed variant's model, optimizer and activations too
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -109,45 +100,12 @@ def main() -> None:
         try:
             results["loss_curve"] = loss_curves(config, batch, args.ttt_steps, args.loss_curve, device)
         except Exception as err:  # noqa: BLE001 - keep the throughput results
-            results["loss_curve"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            results["loss_curve"] = {"error": failure(err)}
             print(f"loss curve: failed: {results['loss_curve']['error'][:300]}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, out.with_suffix(".md"))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
-
-
-class EmptyPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty stand-ins (submodules included) for packages speculators imports but this benchmark never calls."""
-
-    def __init__(self, roots: set[str]):
-        self.roots = roots
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__getattr__ = _placeholder  # `from <stand-in> import X` yields an empty class X
-        return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-def _placeholder(attr: str):
-    if attr.startswith("__"):
-        raise AttributeError(attr)
-    return type(attr, (), {})
-
-
-def stand_in_missing_modules(names) -> None:
-    missing = {name for name in names if importlib.util.find_spec(name) is None}
-    if missing:
-        print(f"note: {', '.join(sorted(missing))} not installed: speculators is imported with empty stand-ins")
-        sys.meta_path.append(EmptyPackages(missing))  # last: consulted only when nothing else has the module
+        print(*loss_curve_lines(results), sep="\n")
+    save(args.out, results)
+    write_markdown(results, args.out.with_suffix(".md"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 
 def variants(train, device) -> dict:
@@ -163,26 +121,23 @@ def variants(train, device) -> dict:
 
 
 def synthetic_batch(draft, target_vocab: int, length: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One packed row of two documents, fixed seed, in data.py's layout (batch of 1)."""
+    """One packed row of two documents, fixed seed, in data.py's layout (batch of 1); the verifier's weights and the
+    kept vocabulary stay on the CPU."""
     gen = torch.Generator().manual_seed(seed)
-    h = draft.hidden_size
-    half = length // 2
-    documents = torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(length - half, dtype=torch.long)])
+    h, half = draft.hidden_size, length // 2
+    states = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU runs without autocast
     batch = {
-        "aux": torch.randn(1, length, 3 * h, generator=gen).to(torch.bfloat16),
-        "final": torch.randn(1, length, h, generator=gen).to(torch.bfloat16),
+        "aux": torch.randn(1, length, 3 * h, generator=gen).to(torch.bfloat16).to(states),
+        "final": torch.randn(1, length, h, generator=gen).to(torch.bfloat16).to(states),
         "input_ids": torch.randint(0, target_vocab, (1, length), generator=gen),
         "position_ids": torch.cat([torch.arange(half), torch.arange(length - half)])[None],
-        "document_ids": documents[None],
+        "document_ids": torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(length - half, dtype=torch.long)])[None],
         "loss_mask": torch.ones(1, length, dtype=torch.bool),
+    }
+    return {name: t.to(device) for name, t in batch.items()} | {
         "embed": torch.randn(target_vocab, h, generator=gen) * 0.02,
         "lm_head": torch.randn(target_vocab, h, generator=gen) * 0.02,
-        "kept": torch.randperm(target_vocab, generator=gen)[: draft.draft_vocab_size].sort().values,
-    }
-    states = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU runs without autocast
-    for name in ("aux", "final"):
-        batch[name] = batch[name].to(states)
-    return {name: t.to(device) if name not in ("embed", "lm_head", "kept") else t for name, t in batch.items()}
+        "kept": torch.randperm(target_vocab, generator=gen)[: draft.draft_vocab_size].sort().values}
 
 
 def prepared_draft(config, batch, device, attention: str, train=None):
@@ -274,34 +229,33 @@ def loss_curves(config, batch, ttt_steps: int, steps: int, device) -> dict:
         del model, step
         gc.collect()
     relative = [abs(a - b) / abs(a) for a, b in zip(curves["bf16"], curves["fp8"], strict=True)]
-    curves["max_rel_diff"] = max(relative)
-    curves["last_rel_diff"] = relative[-1]
-    print(f"loss curve over {steps} steps: bf16 {curves['bf16'][0]:.4f} -> {curves['bf16'][-1]:.4f}, fp8 "
-          f"{curves['fp8'][0]:.4f} -> {curves['fp8'][-1]:.4f}; max relative difference {curves['max_rel_diff']:.2%}")
-    return curves
+    return curves | {"max_rel_diff": max(relative), "last_rel_diff": relative[-1]}
 
 
-def measure(name: str, train, config, batch, ttt_steps: int, warmup: int, steps: int, device, profile: bool) -> dict:
+def timed(step, ttt_steps: int, device, steps: int) -> list[float]:
+    """Seconds of each of `steps` steps, the device synchronised before and after each."""
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step(ttt_steps)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(name: str, train, config, batch, args, device) -> dict:
     from eagle3_pipeline.train.flops import attended_keys, train_flops
 
     if name != "speculators" and train is None:
         raise ValueError(f"no variant {name!r}")
     accelerator, model, step = build(train, config, batch, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step(ttt_steps)
-    times = []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        step(ttt_steps)
-        sync()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    timed(step, args.ttt_steps, device, args.warmup)
+    seconds = statistics.median(timed(step, args.ttt_steps, device, args.steps))
     tokens = int((batch["document_ids"] >= 0).sum())
-    flops = train_flops(config.draft, 3, ttt_steps, tokens, attended_keys(batch["document_ids"], ttt_steps),
+    flops = train_flops(config.draft, 3, args.ttt_steps, tokens, attended_keys(batch["document_ids"], args.ttt_steps),
                         lm_head_trained=train is not None)
     run = {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
            "gflop_per_token": flops / tokens / 1e9,
@@ -309,8 +263,8 @@ def measure(name: str, train, config, batch, ttt_steps: int, warmup: int, steps:
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     if train is not None:
         run["options"] = train.model_dump(include={"compile", "loss_chunk_rows", "fp8", "attention", "optimizer"})
-    if profile:
-        run["profile"] = profile_steps(step, ttt_steps, device)
+    if args.profile:
+        run["profile"] = profile_steps(step, args.ttt_steps, device)
     accelerator.free_memory(model)
     return run
 
@@ -333,22 +287,20 @@ def profile_steps(step, ttt_steps: int, device, steps: int = 2, top: int = 15) -
     """Device time per step by kernel and by kind (torch profiler over `steps` steps), and the idle share."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    cuda = device.type == "cuda"
+    synchronize(device)
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step(ttt_steps)
-        sync()
+        synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     kernels = {}
     for event in prof.events():
-        if event.device_type.name != ("CUDA" if device.type == "cuda" else "CPU"):
-            continue
-        entry = kernels.setdefault(event.name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += event.time_range.elapsed_us() if device.type == "cuda" else event.self_cpu_time_total
+        if event.device_type.name == ("CUDA" if cuda else "CPU"):
+            entry = kernels.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
     busy_ms = sum(us for _, us in kernels.values()) / 1e3 / steps
     kinds: dict[str, float] = {}
     for name, (_, us) in kernels.items():
@@ -363,47 +315,52 @@ def profile_steps(step, ttt_steps: int, device, steps: int = 2, top: int = 15) -
     }
 
 
-def print_profile(name: str, profile: dict) -> None:
-    print(f"  {name}: {profile['kernel_ms']:.1f} ms of kernels per step, {profile['wall_ms']:.1f} ms wall "
-          f"(GPU idle {profile['idle_share']:.1%})")
-    for kind, value in profile["kinds"].items():
-        print(f"    {kind:<30} {value['ms']:>8.1f} ms {value['share']:>6.1%}")
-    for kernel in profile["top_kernels"]:
-        print(f"    {kernel['share']:>6.1%} {kernel['ms']:>7.2f} ms x{kernel['calls']:<4} {kernel['name'][:100]}")
+def header_lines(results: dict) -> list[str]:
+    return [f"{results['device']}, packed {results['packed_length']}, {results['ttt_steps']} TTT steps, median of "
+            f"{results['measured_steps']} steps; bf16 matmul measured {results['matmul_tflops']:.0f} TFLOP/s", "",
+            f"| model | tokens/s | step ms | TFLOP/s | MFU ({results['peak_bf16_tflops']:.0f} peak) | trainable | "
+            "peak GiB |", "|---|---|---|---|---|---|---|"]
+
+
+def run_line(name: str, run: dict, peak: float) -> str:
+    if "error" in run:
+        return f"| {name} | failed: {run['error'][:120]} | | | | | |"
+    mfu = f"{run['tflops'] / peak:.1%}" if peak else "-"
+    memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
+    return (f"| {name} | {run['tokens_per_s']:,.0f} | {run['step_ms']:.1f} | {run['tflops']:.0f} | {mfu} | "
+            f"{run['trainable_parameters'] / 1e6:,.0f} M | {memory} |")
+
+
+def loss_curve_lines(results: dict) -> list[str]:
+    curve = results.get("loss_curve")
+    if not curve or "error" in curve:
+        return []
+    bf16, fp8 = curve["bf16"], curve["fp8"]
+    return ["", f"Loss curve ({len(bf16)} steps): bf16 {bf16[0]:.4f} -> {bf16[-1]:.4f}, fp8 {fp8[0]:.4f} -> "
+                f"{fp8[-1]:.4f}; max relative difference {curve['max_rel_diff']:.2%}, last {curve['last_rel_diff']:.2%}"]
+
+
+def profile_lines(name: str, run: dict) -> list[str]:
+    """A profiled model's kinds of kernels and top kernels (none without a profile)."""
+    profile = run.get("profile")
+    if not profile:
+        return []
+    return ["", f"### {name}: {profile['kernel_ms']:.1f} ms of kernels per step, {profile['wall_ms']:.1f} ms wall "
+                f"under the profiler (GPU idle {profile['idle_share']:.1%})", "",
+            "| kind | ms per step | share |", "|---|---|---|",
+            *(f"| {kind} | {v['ms']:.1f} | {v['share']:.1%} |" for kind, v in profile["kinds"].items()),
+            "", "| share | ms per step | calls | kernel |", "|---|---|---|---|",
+            *(f"| {k['share']:.1%} | {k['ms']:.2f} | {k['calls']} | `{k['name'][:100]}` |"
+              for k in profile["top_kernels"])]
 
 
 def write_markdown(results: dict, path: Path) -> None:
-    """The throughput table, and per profiled model its kinds of kernels and top kernels."""
-    peak = results["peak_bf16_tflops"]
-    lines = [f"{results['device']}, packed {results['packed_length']}, {results['ttt_steps']} TTT steps, median of "
-             f"{results['measured_steps']} steps; bf16 matmul measured {results['matmul_tflops']:.0f} TFLOP/s", "",
-             f"| model | tokens/s | step ms | TFLOP/s | MFU ({peak:.0f} peak) | trainable | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    """The throughput table, the loss curve, and per profiled model its kinds of kernels and top kernels."""
+    lines = header_lines(results) + [run_line(name, run, results["peak_bf16_tflops"])
+                                     for name, run in results["runs"].items()]
+    lines += loss_curve_lines(results)
     for name, run in results["runs"].items():
-        if "error" in run:
-            lines.append(f"| {name} | failed: {run['error'][:120]} | | | | | |")
-            continue
-        mfu = f"{run['tflops'] / peak:.1%}" if peak else "-"
-        memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
-        lines.append(f"| {name} | {run['tokens_per_s']:,.0f} | {run['step_ms']:.1f} | {run['tflops']:.0f} | {mfu} | "
-                     f"{run['trainable_parameters'] / 1e6:,.0f} M | {memory} |")
-    curve = results.get("loss_curve")
-    if curve and "error" not in curve:
-        bf16, fp8 = curve["bf16"], curve["fp8"]
-        lines += ["", f"Loss curve ({len(bf16)} steps): bf16 {bf16[0]:.4f} -> {bf16[-1]:.4f}, "
-                      f"fp8 {fp8[0]:.4f} -> {fp8[-1]:.4f}; max relative difference "
-                      f"{curve['max_rel_diff']:.2%}, last {curve['last_rel_diff']:.2%}"]
-    for name, run in results["runs"].items():
-        profile = run.get("profile")
-        if not profile:
-            continue
-        lines += ["", f"### {name}: {profile['kernel_ms']:.1f} ms of kernels per step, {profile['wall_ms']:.1f} ms "
-                      f"wall under the profiler (GPU idle {profile['idle_share']:.1%})", "",
-                  "| kind | ms per step | share |", "|---|---|---|"]
-        lines += [f"| {kind} | {v['ms']:.1f} | {v['share']:.1%} |" for kind, v in profile["kinds"].items()]
-        lines += ["", "| share | ms per step | calls | kernel |", "|---|---|---|---|"]
-        lines += [f"| {k['share']:.1%} | {k['ms']:.2f} | {k['calls']} | `{k['name'][:100]}` |"
-                  for k in profile["top_kernels"]]
+        lines += profile_lines(name, run)
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -411,33 +368,8 @@ def matmul_tflops(device) -> float:
     """bf16 (fp32 on CPU) matrix product rate here: the practical ceiling of any step."""
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        a @ b
-    sync()
-    start, repeats = time.perf_counter(), 20
-    for _ in range(repeats):
-        a @ b
-    sync()
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-
-
-def print_header(results: dict) -> None:
-    print(f"{results['device']}: packed {results['packed_length']}, {results['ttt_steps']} TTT steps, "
-          f"median of {results['measured_steps']} steps; measured matmul {results['matmul_tflops']:.0f} TFLOP/s")
-    print(f"{'model':<26} {'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>6} {'of matmul':>9} "
-          f"{'GFLOP/tok':>9} {'trainable':>10} {'peak GiB':>8}")
-
-
-def print_row(name: str, run: dict, results: dict) -> None:
-    peak = results["peak_bf16_tflops"]
-    mfu = f"{run['tflops'] / peak:.1%}" if peak else "-"
-    memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
-    print(f"{name:<26} {run['tokens_per_s']:>10.0f} {run['step_ms']:>9.1f} {run['tflops']:>8.1f} {mfu:>6} "
-          f"{run['tflops'] / results['matmul_tflops']:>9.1%} {run['gflop_per_token']:>9.2f} "
-          f"{run['trainable_parameters'] / 1e6:>9.1f}M {memory:>8}")
+    seconds = timed(lambda _: [a @ b for _ in range(20)], 0, device, 2)[-1]  # the first pass warms up
+    return 2 * n**3 * 20 / seconds / 1e12
 
 
 if __name__ == "__main__":

@@ -1,11 +1,23 @@
-"""bench.gpu_pipeline refuses to start where the project's vLLM plugin is not installed."""
+"""bench.gpu_pipeline refuses to start where the project's vLLM plugin is not installed, and runs a job's stages
+as a user would (stand-in scripts here, no GPU): in order until one fails, from another job's earlier stages."""
 
 import importlib.metadata
+import json
 import sys
 
 import pytest
 
 from bench import gpu_pipeline
+from bench.gpu_pipeline import ALL, Job, run_job
+
+STAGE = """import json, os, pathlib, sys
+run_dir = pathlib.Path(next(a for a in sys.argv if a.startswith("run_dir=")).split("=", 1)[1])
+stage = run_dir / pathlib.Path(sys.argv[0]).stem
+stage.mkdir(parents=True, exist_ok=True)
+(stage / "manifest.json").write_text(json.dumps({"counts": {"ran": True}, "other": 1}))
+print("stage", stage.name, "ran")
+sys.exit(1 if stage.name == os.environ.get("FAIL") else 0)
+"""
 
 
 def test_the_plugin_is_found_where_the_project_is_installed():
@@ -18,3 +30,29 @@ def test_a_node_without_the_plugin_is_refused_before_any_job(monkeypatch, tmp_pa
     with pytest.raises(SystemExit, match="eagle3_pipeline_patches.*is not installed"):
         gpu_pipeline.main()
     assert not (tmp_path / "out").exists()
+
+
+def test_jobs_run_their_stages_in_order_until_one_fails(monkeypatch, tmp_path):
+    scripts = {}
+    for name in ALL:  # each stage a script named after it that leaves a manifest
+        scripts[name] = str(tmp_path / f"{name}.py")
+        (tmp_path / f"{name}.py").write_text(STAGE)
+    monkeypatch.setattr(gpu_pipeline, "SCRIPTS", scripts)
+    out, work, results = tmp_path / "out", tmp_path / "work", {}
+    out.mkdir()
+    run_job(Job("first", "c.yaml", ALL[:5], ["x=$WORK/y"], {"FAIL": "04_train"}), out, work, results)
+    stages = results["first"]["stages"]
+    assert list(stages) == list(ALL[:4])  # 05 never ran after 04 failed
+    assert [stage["exit"] for stage in stages.values()] == [0, 0, 0, 1]
+    assert results["first"]["hf_check"]["passed"] is False  # 02's states checked (here: no such config)
+    assert stages["01_data"]["command"].startswith("FAIL=04_train python ")
+    assert "--set x=$WORK/y --set run_dir=$WORK/first" in stages["01_data"]["command"]
+    assert stages["03_vocab"]["tail"][-1] == "stage 03_vocab ran" and stages["03_vocab"]["manifest"] == {
+        "counts": {"ran": True}}
+    run_job(Job("second", "c.yaml", ALL[3:4], copy_from="first"), out, work, results)
+    assert (work / "second" / "03_vocab" / "manifest.json").exists() and results["second"]["stages"]["04_train"]
+    run_job(Job("third", "c.yaml", ALL[5:], copy_from="first"), out, work, results)  # first has no 05
+    assert results["third"]["skipped"] == "first failed before its 05_export" and not (work / "third" / ALL[5]).exists()
+    run_job(Job("bench", "c.yaml", bench=["-c", "print('$OUT')"]), out, work, results)
+    assert results["bench"]["exit"] == 0 and results["bench"]["command"] == "python -c print('$OUT')"
+    assert json.loads((out / "gpu_pipeline.json").read_text()) == results

@@ -1,17 +1,20 @@
 """bench/quality.py's CPU-cheap parts: our 01/02 in speculators' offline-data format, read back by its own
-dataset class, and the token-budget match (no training, no vLLM)."""
+dataset class, the token-budget match, and the report's figures recomputed from a saved result's runs (no
+training, no vLLM)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import datasets
 import torch
 
 from bench import quality
 from bench.harness import spread
-from bench.quality import matched_steps
+from bench.quality import identical_outputs, matched_steps, summarize, work_seconds
 from bench.speculators_trainer import train_batches, write_dataset
+from tests.conftest import ROOT
 from tests.train.fabricate import TINY, tiny_run
 
 
@@ -80,3 +83,13 @@ def test_reuse_01_copies_the_finished_01_data_before_the_stages_run(tmp_path, mo
     seconds = quality.shared_stages(args, quality.Clock(), shared)
     assert seen[0] == ("01_prepare_data.py", True)
     assert seconds["01_prepare_data.py"] == 569.0 and seconds["02_generate_hidden_states.py"] == 1.0
+
+
+def test_a_saved_results_figures_are_what_its_runs_give():
+    report = json.loads((ROOT / "bench" / "results" / "quality.json").read_text())
+    assert summarize(report["runs"], report["ks"]) == report["results"]
+    eval_s = report["wall_time_s"].get("shared teacher-forced eval", 0.0)
+    assert work_seconds(report["work_s"]["stages_01_03"], report["runs"], eval_s) == report["work_s"]
+    runs = [{"trainer": "a", "seed": 0, "serve": {"3": {"outputs": [1, 2]}}},
+            {"trainer": "b", "seed": 0, "serve": {"3": {"outputs": [1, 3]}, "5": {"outputs": [1, 2]}}}]
+    assert identical_outputs(runs, [3, 5]) == {"a_seed0_k3": 1.0, "b_seed0_k3": 0.5, "b_seed0_k5": 1.0}

@@ -81,3 +81,15 @@ def test_shipped_config_loads():
 
     config = load_config(BENCH_CONFIG, [])
     assert [s.kind for s in config.data.eval_sources] == ["mtbench", "humaneval", "gsm8k", "math500", "bfcl"]
+
+
+def test_the_serve_phase_serves_the_final_rows_and_the_best_lever_once():
+    from bench.quality_gpu import drafts_to_serve
+
+    drafts = {name: _draft(640, {}, al) for name, al in (("ours-640-s0", 2.0), ("speculators-640-s0", 2.1),
+                                                          ("ours-40-s0", 1.2), ("ours-640-s1", 2.0),
+                                                          ("fp8-640-s0", 2.05), ("eagle3.1-640-s0", 2.3),
+                                                          ("eagle3.1-640-s1", 2.4))}
+    drafts["speculators-640-s0"] = {"error": "failed"}
+    assert drafts_to_serve(drafts, [40, 640], {}) == ["ours-640-s0", "ours-40-s0", "eagle3.1-640-s0"]
+    assert drafts_to_serve(drafts, [40, 640], {"ours-640-s0": {}}) == ["ours-40-s0", "eagle3.1-640-s0"]

@@ -1,5 +1,5 @@
-"""The multi-process scaling benchmark runs tiny on CPU (gloo): 2 processes and a 2 -> 1 -> 2 process chain
-follow the 1-process curve, and the JSON holds the comparisons and throughput."""
+"""bench/train_scaling.py: its plan of runs, its analysis of a saved result (recomputed from the runs it holds),
+and the tiny CPU run (gloo): 2 processes and a 2 -> 1 -> 2 process chain follow the 1-process curve."""
 
 from __future__ import annotations
 
@@ -7,7 +7,29 @@ import json
 
 import pytest
 
-from tests.conftest import run_python
+from bench.train_scaling import SHAPES, schedule, summarize
+from tests.conftest import ROOT, run_python
+
+
+def test_runs_go_in_priority_order_with_their_legs():
+    plans = {name: {"shape": SHAPES[name]} for name in ("kimi", "demo")}
+    queue = [(name, run) for name, run, _ in schedule(plans, [2, 4])]
+    assert queue == [("kimi", "one"), ("kimi", "multi_2"), ("kimi", "multi_4"), ("demo", "one"), ("demo", "multi_2"),
+                     ("demo", "multi_4"), ("kimi", "chain_4_1_4"), ("demo", "chain_4_1_4"), ("demo", "one_again"),
+                     ("demo", "one_half")]
+    legs = {(name, run): legs for name, run, legs in schedule(plans, [2, 4])}
+    assert legs["kimi", "chain_4_1_4"] == [(4, 1, 10), (1, 4, 15), (4, 1, None)]  # the global batch of 4 packs
+    assert legs["demo", "one_half"] == [(1, 2, None)]
+
+
+def test_a_saved_result_is_what_its_runs_give():
+    result = json.loads((ROOT / "bench" / "results" / "train_scaling_h200x2.json").read_text())
+    for name, entry in result["shapes"].items():
+        summary = summarize(entry["runs"], SHAPES[name], entry["config"]["mixed_precision"], result["processes"])
+        assert summary == {key: entry[key] for key in summary}, name
+    kimi = result["shapes"]["kimi"]
+    assert kimi["scaling"]["2"]["efficiency"] == pytest.approx(0.863, abs=1e-3)  # docs/cost.md's figure
+    assert kimi["comparisons"]["chain_2_1_2_vs_one"]["within_tolerance"]
 
 
 @pytest.mark.slow

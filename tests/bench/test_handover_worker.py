@@ -1,23 +1,19 @@
-"""The worker extension's mapped hand-over against today's pageable one, on CPU (no vLLM), and the bench's
-CPU smoke mode."""
+"""The worker extension's mapped hand-over against the pageable one, on CPU (no vLLM). These test
+eagle3_pipeline.capture (its recording path driven as vLLM's model runner drives it); they came with the
+capture_handover bench, retired (bench/README.md), and belong beside tests/capture/."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from bench.capture_handover import fake_worker, record
 from eagle3_pipeline.capture.handover import ORPHAN_PREFIX, MappedArena, load_captured
 from eagle3_pipeline.capture.worker import HiddenStateCapture
 
-ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, NUM_AUX = 16, 3
 PROMPTS = {"a": list(range(100, 110)), "b": list(range(200, 204)), "c": list(range(300, 308))}
 
@@ -39,6 +35,22 @@ def step(rows: dict[str, tuple[int, int]], seed: int) -> dict:
 # "a" is chunked over two steps; "b" is preempted and recomputed from its start in the last step.
 STEPS = [step({"a": (0, 6), "b": (0, 3)}, 0), step({"a": (6, 10), "c": (0, 8)}, 1), step({"b": (0, 4)}, 2)]
 OUTPUTS = [SimpleNamespace(request_id=r, prompt_token_ids=ids) for r, ids in PROMPTS.items()]
+
+
+def fake_worker(device: torch.device, handover: str, num_aux: int, directory: str) -> HiddenStateCapture:
+    """The extension as vLLM's worker would hold it after `set_capture_layers`, rank 0."""
+    worker = HiddenStateCapture()
+    worker.rank, worker._capture_chunks = 0, {}
+    worker._capture_layer_ids, worker._capture_handover = tuple(range(num_aux)), handover
+    worker._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
+    worker.model_runner = SimpleNamespace(device=device)
+    return worker
+
+
+def record(worker: HiddenStateCapture, step: dict) -> None:
+    # the step's batch as `StepBatch.take` reads it from either model runner
+    batch = step["req_ids"], step["starts"][: len(step["req_ids"]) + 1].tolist(), step["token_ids"]
+    worker._record_step(batch, step["aux"], step["final"], step["positions"])
 
 
 def captured(handover: str, folder: Path, rounds: int = 1) -> list[list[dict[str, torch.Tensor]]]:
@@ -77,16 +89,6 @@ def test_mapped_hand_over_checks_tokens_against_the_prompt(tmp_path):
 def test_handover_is_validated():
     with pytest.raises(ValueError, match="handover 'pinned'"):
         HiddenStateCapture().set_capture_layers([1], handover="pinned")
-
-
-def test_bench_smoke_on_cpu(tmp_path):
-    out = tmp_path / "handover.json"
-    subprocess.run([sys.executable, "-m", "bench.capture_handover", "--device", "cpu", "--steps", "2",
-                    "--hidden", "32", "--tokens", "64", "96", "--dir", str(tmp_path), "--out", str(out)],
-                   check=True, capture_output=True, cwd=ROOT)
-    result = json.loads(out.read_text())
-    assert set(result["variants"]) == {"pageable", "mapped"} and result["mapped_equals_pageable"] is True
-    assert all(v["us_per_token"] > 0 and "GB_per_s" in v for v in result["variants"].values())
 
 
 def test_a_killed_workers_slabs_are_removed(tmp_path):

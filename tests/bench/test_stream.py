@@ -1,0 +1,39 @@
+"""bench/stream.py's report: the table of offline against stream mode from the two runs' figures."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.stream import report
+
+OFFLINE = {"tokens_per_s_median": 583.4, "data_wait_frac_mean": 0.002, "capture_stage_s": 196.5,
+           "train_stage_s": 54.7, "wall_s": 251.3, "bytes_on_disk": 44_000_000, "losses": [2.5, 2.25]}
+STREAM = {"tokens_per_s_median": 84.2, "data_wait_frac_mean": 0.343, "capture_wait_frac": 0.0341,
+          "capture_stage_s": 598.7, "train_stage_s": 596.1, "wall_s": 598.7, "most_held_bytes": 14_500_000,
+          "window_bytes": 20_000_000, "losses": [2.5, 2.25]}
+
+
+def test_report_table():
+    args = argparse.Namespace(prepared=None, samples=48, max_tokens=320, config="configs/demo.yaml",
+                              packed_length=1024, steps=24)
+    assert report([OFFLINE, STREAM], args) == """\
+48 HumanEval chats (<= 320 tokens), configs/demo.yaml, packed 1024, 24 steps; per-step losses equal: True (largest \
+difference 0.0)
+
+| | offline | stream |
+|---|---|---|
+| 04 training tokens/s (median) | 583 | 84 |
+| 04 time waiting for data | 0.2% | 34.3% |
+| 02 time waiting for room | - | 3.4% |
+| 02 stage wall s | 196.5 | 598.7 |
+| 04 stage wall s | 54.7 | 596.1 |
+| 02 + 04 wall s | 251.3 | 598.7 |
+| states on disk, most | 44.0 MB | 14.5 MB (window 20 MB) |
+"""
+
+
+def test_report_names_the_prepared_run_and_the_largest_loss_difference():
+    args = argparse.Namespace(prepared="RUN", samples=0, max_tokens=0, config="c.yaml", packed_length=8192, steps=60)
+    text = report([OFFLINE, STREAM | {"losses": [2.5, 2.0]}], args)
+    assert text.startswith("01 and 03 of RUN, c.yaml, packed 8192, 60 steps; per-step losses equal: False (largest "
+                           "difference 0.25)")
