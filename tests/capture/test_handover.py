@@ -1,6 +1,5 @@
-"""The worker extension's mapped hand-over against the pageable one, on CPU (no vLLM). These test
-eagle3_pipeline.capture (its recording path driven as vLLM's model runner drives it); they came with the
-capture_handover bench, retired (bench/README.md), and belong beside tests/capture/."""
+"""The worker extension's mapped hand-over against the pageable one, on CPU (no vLLM): eagle3_pipeline.capture's
+recording path driven as vLLM's model runner drives it."""
 
 from __future__ import annotations
 
