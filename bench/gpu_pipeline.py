@@ -28,7 +28,7 @@ import torch
 # imported here, not in hf_check: two chains' checks importing transformers lazily at once can see it half-initialised
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from bench.harness import PY, cached, logged_call, parser, save, stage_cmd
+from bench.harness import MLA_HEADS, PY, cached, logged_call, parser, save, stage_cmd
 from eagle3_pipeline.capture.store import open_reader
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.data.dataset import open_split
@@ -59,8 +59,6 @@ SMOL_SETS = [word for value in SMOL_SHARE for word in ("--set", value)]
 KIMI_SOURCES = "data.sources=[{kind: magpie, limit: 32, max_tokens: 8}, {kind: file, name: $WORK/pictures.jsonl}]"
 # an MLA draft (draft.attention mla) at the head dims vLLM's GPU MLA prefill backends take (qk_nope 128, rope 64,
 # v 128) and the latent its decode kernels take (kv_lora 512); q_lora as the target's (Kimi) or 3x its heads (SmolLM2)
-MLA_HEADS = ["draft.attention=mla", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=128",
-             "draft.qk_rope_head_dim=64", "draft.v_head_dim=128", "export.formats=[reference]"]
 KIMI_MLA = [*SHARE, *MLA_HEADS, "draft.q_lora_rank=64"]
 
 

@@ -20,6 +20,10 @@ from eagle3_pipeline.stage_io import package_versions
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
+# The MLA draft layer's heads (draft.attention=mla): Kimi-K2.5's own, the only ones vLLM's GPU MLA prefill backends
+# take; reference format only (speculators has no MLA draft class)
+MLA_HEADS = ["draft.attention=mla", "draft.kv_lora_rank=512", "draft.qk_nope_head_dim=128",
+             "draft.qk_rope_head_dim=64", "draft.v_head_dim=128", "export.formats=[reference]"]
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 at the largest budget, three seeds there, and regeneration with the trained draft.
 
     python -m bench.quality_gpu --work /tmp/quality_gpu --out /tmp/out          # one H200: every phase, in order
+    python -m bench.quality_gpu --config bench/quality_gpu_kimi.yaml --work W --out O   # the learned tiny Kimi
     python -m bench.quality_gpu --report bench/results/quality_gpu.json        # tables and PNG from the JSON
 
 Phases (each skips the work a rerun finds complete; `--phases` picks some):
@@ -36,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.harness import ROOT, Clock, cached, offline, parser, run_logged, save, stage_cmd
+from bench.harness import MLA_HEADS, ROOT, Clock, cached, offline, parser, run_logged, save, stage_cmd
 from bench.quality import SHARED_SECTIONS, evaluated, measure, our_token_budget, shared_stages, train_ours, train_speculators
 from bench.report import quality_gpu_markdown, render
 from eagle3_pipeline.acceptance import metric_key
@@ -61,6 +62,11 @@ LEVERS: dict[str, list[str]] = {
     "optimizer-muon": ["train.optimizer=muon"],  # speculators' default optimizer
     "muon-lr2e-4": ["train.optimizer=muon", "train.learning_rate=2.0e-4"],  # 1e-4 was tuned with AdamW
     "muon-lr4e-4": ["train.optimizer=muon", "train.learning_rate=4.0e-4"],
+    # the MLA attention layer (docs/draft_layouts.md), without and with EAGLE 3.1's norms; vLLM serves it only
+    # beside an MLA target (bench/quality_gpu_kimi.yaml): on SmolLM2 its figures are the simulation's alone
+    "mla": [*MLA_HEADS, "draft.q_lora_rank=64"],
+    "mla-eagle3.1": [*MLA_HEADS, "draft.q_lora_rank=64", "draft.fc_norm=true", "draft.norm_output=true",
+                     "train.standardize_aux=false"],
 }
 SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()

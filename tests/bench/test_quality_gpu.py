@@ -83,6 +83,25 @@ def test_shipped_config_loads():
     assert [s.kind for s in config.data.eval_sources] == ["mtbench", "humaneval", "gsm8k", "math500", "bfcl"]
 
 
+def test_the_kimi_config_and_the_mla_levers():
+    """bench/quality_gpu_kimi.yaml: the learned Kimi with BFCL among its eval sources; the MLA levers turn the draft's
+    attention to MLA on both targets, with EAGLE 3.1's norms in the second."""
+    from eagle3_pipeline.config import load_config
+
+    kimi = BENCH_CONFIG.with_name("quality_gpu_kimi.yaml")
+    config = load_config(kimi, [])
+    assert (config.target.stand_in, config.target.weight_prefix) == ("tiny-kimi-k25-learned", "language_model.")
+    assert [s.kind for s in config.data.eval_sources] == ["gsm8k", "humaneval", "mtbench", "bfcl"]
+    for path in (BENCH_CONFIG, kimi):
+        plain, mla = load_config(path, []).draft, load_config(path, LEVERS["mla"]).draft
+        both = load_config(path, LEVERS["mla-eagle3.1"]).draft
+        assert (plain.attention, mla.attention, both.attention) == ("llama", "mla", "mla")
+        assert (mla.kv_lora_rank, mla.q_lora_rank, mla.fc_norm, both.fc_norm, both.norm_output) == (512, 64, False, True, True)
+    args = argparse.Namespace(config=kimi, curve_steps=[640], levers=["mla@0,1,2"], lever_seeds=[0], jobs=["levers"])
+    assert [(name, seed) for name, _, _, seed, _ in draft_jobs(args)] == [
+        ("mla-640-s0", 0), ("mla-640-s1", 1), ("mla-640-s2", 2)]
+
+
 def test_the_serve_phase_serves_the_final_rows_and_the_best_lever_once():
     from bench.quality_gpu import drafts_to_serve
 
