@@ -108,7 +108,8 @@ class Divergence:
         or CHANGED_BY_DRAFT, the one that fails 06."""
         if self.margin_exact and abs(self.margin) <= max_tie_margin:
             return NEAR_TIE
-        if self.margin_exact and (self.margin < 0 or self.margin <= batch_variance_margin):
+        # a negative margin lands here too: the fresh prefill prefers the token written with the draft
+        if self.margin_exact and self.margin <= batch_variance_margin:
             return BATCH_VARIANCE
         if self.alone_departs_at == self.position:
             return BATCH_VARIANCE
