@@ -1,7 +1,8 @@
-"""One teacher-forced evaluator for any speculators-format EAGLE-3 draft folder, on our eval split.
+"""One teacher-forced evaluator for any EAGLE-3 draft folder, on our eval split.
 
-Both trainers' drafts are loaded the same way (`Eagle3Draft.from_pretrained`, speculators' loader, on a
-speculators-format folder: ours from 05_export/speculators/, theirs from its checkpoint) and run the same
+Both trainers' drafts load as the training draft (`Eagle3Draft`): speculators' from its checkpoint (speculators'
+loader), ours from 05_export/reference/ (either attention; built from its config.json), each with the verifier's
+frozen tensors, and run the same
 training-time-test unroll, 04's own (`Eagle3Draft.forward`), on the same packed eval rows (our 01 eval split +
 02 states, packed as 04 packs them), in float32, honouring each draft's own config flags (`norm_before_fc`,
 `fc_norm`, `norm_output`, `norm_before_residual` inside the decoder layer). Document-aware masks
@@ -22,34 +23,63 @@ eval split's greedy answers exactly as 04's eval does (eagle3_pipeline/train/acc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
 from eagle3_pipeline.data.dataset import open_split
+from eagle3_pipeline.draft_spec import FROZEN
+from eagle3_pipeline.export.format import WEIGHTS_FILE, draft_fields
 from eagle3_pipeline.pack_plan import plan_packs, training_rows
 from eagle3_pipeline.train.acceptance import chain_metrics, replay_batch, target_proposals
 from eagle3_pipeline.train.data import PackedRows
-from eagle3_pipeline.train.draft_model import STATS, Eagle3Draft, VerifierTargets
+from eagle3_pipeline.train.draft_model import STATS, Eagle3Draft, VerifierTargets, build_draft
 from eagle3_pipeline.train.inputs import served_samples
 
 
-def load_draft(folder: Path, weight_prefix: str = ""):
+def load_draft(folder: Path, verifier_dir: Path | None = None, weight_prefix: str = ""):
+    """The draft in `folder`, either format: speculators' (loaded by speculators, its config naming the verifier)
+    or the reference layout (our export, either attention: built from its config.json, `midlayer.*` read back as
+    `layers.0.*`). The frozen tensors come from the verifier (`verifier_dir`, default the one a speculators config
+    names; names under `weight_prefix`) for every draft: both trainers freeze them at the verifier's, neither
+    format stores them, and speculators 0.9.0's own loader neither knows a prefix such as Kimi's `language_model.`
+    nor, under transformers 5, keeps its "not loaded" sentinel on the embedding (the init of missing keys
+    overwrites it)."""
     from eagle3_pipeline.train.verifier import load_verifier_weights
 
-    config = Eagle3Draft.config_class.from_pretrained(str(folder))
-    config.transformer_layer_config._attn_implementation = "sdpa"  # not serialised; our dense masks
-    model = Eagle3Draft.from_pretrained(str(folder), config=config)
-    # Both trainers freeze the draft's token embedding at the verifier's. A folder without embed_tokens (our
-    # export: vLLM shares the target's) comes out of speculators 0.9.0's from_pretrained with a randomly
-    # initialised embedding under transformers 5 (its NaN "not loaded" sentinel is overwritten by the init of
-    # missing keys, so load_verifier_weights skips it): load the verifier's for every draft.
-    verifier = load_verifier_weights(Path(config.speculators_config.verifier.name_or_path), weight_prefix)
+    config_json = json.loads((folder / "config.json").read_text())
+    if "speculators_config" in config_json:
+        config = Eagle3Draft.config_class.from_pretrained(str(folder))
+        config.transformer_layer_config._attn_implementation = "sdpa"  # not serialised; our dense masks
+        model = Eagle3Draft.from_pretrained(str(folder), config=config)
+        verifier_dir = verifier_dir or Path(config.speculators_config.verifier.name_or_path)
+    elif verifier_dir is None:
+        raise ValueError(f"{folder}: a reference-layout draft does not name its verifier: pass verifier_dir")
+    else:
+        model = reference_draft(folder, config_json)
+    verifier = load_verifier_weights(verifier_dir, weight_prefix)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(verifier.embed_tokens)
+        model.verifier_norm.weight.copy_(verifier.norm)
+        model.verifier_lm_head.weight.copy_(verifier.lm_head[model.t2d])
+    model.verifier_norm.variance_epsilon = verifier.norm_eps
     return model.float().eval()
+
+
+def reference_draft(folder: Path, config_json: dict) -> Eagle3Draft:
+    """A reference-layout export as the training draft (05's renaming undone); every stored tensor must fit."""
+    draft, aux_layer_ids, target_vocab_size = draft_fields(config_json)
+    model = build_draft(draft, aux_layer_ids, target_vocab_size, attention="sdpa")
+    state = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(FROZEN):
+        raise ValueError(f"{folder} does not fit the draft its config.json describes: missing "
+                         f"{sorted(set(missing) - set(FROZEN))}, unexpected {sorted(unexpected)}")
+    return model
 
 
 class EvalRows:
@@ -96,10 +126,10 @@ def unroll(model: Eagle3Draft, batch: dict, ttt_steps: int) -> tuple[torch.Tenso
 
 
 def evaluate(folder: Path, eval_rows: EvalRows, ttt_steps: int, ks: list[int] = (), max_tokens: int = 0,
-             device: str = "cpu") -> dict[str, float]:
+             device: str = "cpu", verifier_dir: Path | None = None, weight_prefix: str = "") -> dict[str, float]:
     """Teacher-forced figures per TTT step, and the simulated acceptance at each k of `ks` (answers cut at
-    `max_tokens`, as 06 serves them), computed on `device`."""
-    model = load_draft(folder).to(device)
+    `max_tokens`, as 06 serves them), computed on `device`; `verifier_dir` and `weight_prefix` as load_draft's."""
+    model = load_draft(folder, verifier_dir, weight_prefix).to(device)
     aux_width = model.fc.in_features
     steps = max([ttt_steps, *ks])  # a k past the trained steps unrolls the chain further
     totals = torch.zeros(4, steps)

@@ -146,7 +146,6 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
             # 04's own simulated acceptance (fp32 checkpoint): the shared evaluator's, on the bf16 export, beside it
             "simulated_by_04": manifest["counts"].get("simulated_acceptance"),
             "export": str(run_dir / "05_export" / "reference"),
-            "export_speculators": str(run_dir / "05_export" / "speculators"),
         }
         save(run_dir / "bench_train.json", record)
     clock.phase(f"train {name} seed {seed}", record["train_wall_s"])
@@ -195,12 +194,13 @@ def train_speculators(args, clock: Clock, shared: Path, seed: int, budget: int, 
 def evaluated(record: dict, rows, config, ks: list[int], force: bool = False, device: str = "cpu") -> dict:
     """One draft's figures from the shared evaluator (bench/draft_eval.py) on `rows`, cached in its folder."""
     from bench.draft_eval import evaluate
+    from eagle3_pipeline.target import target_path
 
     path = Path(record["run_dir"]) / f"bench_shared_eval_k{'_'.join(map(str, ks))}.json"
     values = cached(path, force)
     if values is None:
-        values = evaluate(Path(record["export_speculators"]), rows, config.train.ttt_steps, ks,
-                          config.validate_.max_tokens, device)
+        values = evaluate(Path(record["export"]), rows, config.train.ttt_steps, ks, config.validate_.max_tokens,
+                          device, target_path(config.target), config.target.weight_prefix)
         save(path, values)
     return values
 

@@ -125,7 +125,7 @@ def outputs(run_dir: Path) -> dict:
                                "epoch: full_acc_k = steps 0..k all correct (teacher forced), cond_acc_k = step k "
                                "correct given 0..k-1 correct; its step alignment ignores document boundaries",
         "resolved_config": resolved.read_text() if resolved.exists() else None,
-        "checkpoint": str(checkpoints[-1]), "export": str(export), "export_speculators": str(export),
+        "checkpoint": str(checkpoints[-1]), "export": str(export),
     }
 
 

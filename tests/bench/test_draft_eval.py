@@ -1,8 +1,9 @@
-"""bench/draft_eval.py scores an exported draft as 04 scored it before export."""
+"""bench/draft_eval.py scores an exported draft as 04 scored it before export, in either format and attention."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,17 +13,34 @@ from eagle3_pipeline.stage_io import MANIFEST
 from eagle3_pipeline.train import loop
 from tests.train.fabricate import tiny_run
 
+# draft.attention mla at the tiny size (tests/train/test_draft_model.py's), exported in the reference layout only
+MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+       "v_head_dim": 12}
+LAYOUTS = {"reference": ({}, "speculators"), "eagle31": ({"fc_norm": True, "norm_output": True}, "speculators"),
+           "reference-layout-folder": ({}, "reference"), "mla": (MLA, "reference")}
 
-@pytest.mark.parametrize("draft", [{}, {"fc_norm": True, "norm_output": True}], ids=["reference", "eagle31"])
-def test_exported_draft_scores_what_04s_last_eval_measured(tmp_path, draft):
-    config, _ = tiny_run(tmp_path, draft=draft)
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exported_draft_scores_what_04s_last_eval_measured(tmp_path, layout):
+    draft, folder = LAYOUTS[layout]
+    # a prefixed target (Kimi's `language_model.`): the evaluator must read the frozen tensors under it
+    config, _ = tiny_run(tmp_path, draft=draft, export={"formats": [folder]}, weight_prefix="language_model.")
     loop.run(config)
     export_stage.run(config)
     recorded = json.loads((config.run_dir / "04_train" / MANIFEST).read_text())["counts"]
     steps = config.train.ttt_steps
     rows = EvalRows(config.run_dir, config.train.packed_length)
-    figures = evaluate(config.run_dir / "05_export" / "speculators", rows, steps)
+    figures = evaluate(config.run_dir / "05_export" / folder, rows, steps, verifier_dir=Path(config.target.path),
+                       weight_prefix="language_model.")
     assert [figures[f"acc_{k}"] for k in range(steps)] == pytest.approx(recorded["eval_accuracy"], abs=1e-6)
     # the export stores bf16 weights: the loss moves by their rounding
     assert [figures[f"loss_{k}"] for k in range(steps)] == pytest.approx(recorded["eval_loss"], rel=2e-3)
     assert all(figures[f"chain_acc_{k}"] <= figures[f"acc_{k}"] for k in range(steps))
+
+
+def test_a_reference_folder_needs_its_verifier(tmp_path):
+    config, _ = tiny_run(tmp_path, export={"formats": ["reference"]})
+    loop.run(config)
+    export_stage.run(config)
+    with pytest.raises(ValueError, match="does not name its verifier"):
+        evaluate(config.run_dir / "05_export" / "reference", EvalRows(config.run_dir, config.train.packed_length), 1)

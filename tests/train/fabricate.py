@@ -53,11 +53,12 @@ def tiny_target(folder: Path, hidden: int = TINY["hidden"], vocab: int = TINY["v
 
 
 def tiny_run_config(run_dir: Path, target_dir: Path, capture: dict | None = None, draft: dict | None = None,
-                    **train: object) -> tuple[RunConfig, Path]:
+                    export: dict | None = None, weight_prefix: str = "", **train: object) -> tuple[RunConfig, Path]:
     """configs/demo.yaml shrunk to the tiny target; returns the config and the YAML file the scripts read."""
     tree = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     tree["run_dir"] = str(run_dir)
-    tree["target"] = {"path": str(target_dir), "weight_prefix": ""}
+    tree["target"] = {"path": str(target_dir), "weight_prefix": weight_prefix}
+    tree["export"] |= export or {}
     tree["capture"] |= {"aux_layer_ids": TINY["aux_layer_ids"], **(capture or {})}
     tree["draft"] = {"hidden_size": TINY["hidden"], "num_attention_heads": 2, "num_key_value_heads": 1,
                      "head_dim": 32, "intermediate_size": 128, "draft_vocab_size": 128, "rope_theta": 10000.0,
@@ -103,13 +104,15 @@ def write_vocab_stage(config: RunConfig) -> None:
     vocab.run(config)
 
 
-def tiny_run(tmp_path: Path, name: str = "run", draft: dict | None = None, **train: object) -> tuple[RunConfig, Path]:
-    """A finished 01/02/03 on the tiny target with random states (`draft` overrides the draft section); returns
-    the config and its YAML file."""
-    target = tmp_path / "target"
+def tiny_run(tmp_path: Path, name: str = "run", draft: dict | None = None, export: dict | None = None,
+             weight_prefix: str = "", **train: object) -> tuple[RunConfig, Path]:
+    """A finished 01/02/03 on the tiny target with random states (`draft` and `export` override those sections;
+    the target's tensors are named under `weight_prefix`); returns the config and its YAML file."""
+    target = tmp_path / ("target" + weight_prefix.replace(".", "_"))
     if not (target / "config.json").exists():
-        tiny_target(target)
-    config, path = tiny_run_config(tmp_path / name, target, draft=draft, **train)
+        tiny_target(target, prefix=weight_prefix)
+    config, path = tiny_run_config(tmp_path / name, target, draft=draft, export=export, weight_prefix=weight_prefix,
+                                   **train)
     train_samples = random_samples(24, TINY["vocab"], seed=1, prefix="t")
     eval_samples = random_samples(6, TINY["vocab"], seed=2, prefix="e")
     write_data_stage(config, train_samples, eval_samples, TINY["vocab"])
