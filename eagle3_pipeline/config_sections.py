@@ -289,9 +289,11 @@ class CaptureConfig(Section):
 
     @model_validator(mode="after")
     def _valid_ids(self) -> CaptureConfig:
+        # ascending: vLLM hands a draft (and extract_hidden_states hands 02) the aux states in ascending layer order
+        # whatever order a config lists them in (set_aux_hidden_state_layers sorts them)
         ids = self.aux_layer_ids
-        if ids is not None and (min(ids) < 0 or len(set(ids)) != len(ids)):
-            raise ValueError("aux_layer_ids must be distinct and >= 0")
+        if ids is not None and (min(ids) < 0 or ids != sorted(set(ids))):
+            raise ValueError(f"aux_layer_ids {ids} must be distinct, ascending and >= 0 (vLLM's order)")
         return self
 
 

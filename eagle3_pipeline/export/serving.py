@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.config import RunConfig
-from eagle3_pipeline.engine import engine_settings, speculative_config
+from eagle3_pipeline.engine import (engine_settings, llama_draft_on_mla_target, mrv2_plans_the_drafts_own_attention,
+                                    on_cpu, speculative_config)
 from eagle3_pipeline.target import serving_path
 
 
@@ -28,17 +29,34 @@ def server_command(settings: dict[str, Any], environment: dict[str, str]) -> str
     return shlex.join(words)
 
 
-def serving_command(config: RunConfig, export_dir: Path, fmt: str, k: int | None = None) -> str:
-    """vLLM's OpenAI-compatible server on the target with this draft, as a copy-paste line: the engine 06
-    measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`)."""
+def serving_command(config: RunConfig, export_dir: Path, k: int | None = None) -> str:
+    """vLLM's OpenAI-compatible server on the target with this draft folder (either format), as a copy-paste line:
+    the engine 06 measures (`engine_settings`), started the way this environment's vLLM starts (`server_launcher`).
+
+    The target is named and the folder given as its draft for both formats: `vllm serve <speculators folder>`
+    alone reads the verifier named inside, which vLLM 0.34 refuses for a local folder ("Speculators verifier must
+    name a remote model repository"); this form runs on every release."""
     export_dir = Path(export_dir).resolve()
     speculative = speculative_config(export_dir, k or config.validate_.num_speculative_tokens[0])
-    settings, environment = engine_settings(config.target, Path(serving_path(config.target)),
-                                            speculative_config=speculative)
-    if fmt == "speculators":  # the folder names its verifier and holds its speculative config
-        del settings["speculative_config"]
-        settings["model"] = str(export_dir)
-    return server_command(settings, environment)
+    model_dir = Path(serving_path(config.target))
+    return server_command(*engine_settings(config.target, model_dir, speculative_config=speculative))
+
+
+# Where vLLM is not installed here the serving release is unknown: the command is 0.33's and later's, and this
+# note says what 0.29-0.32 need (engine.engine_settings: their Model Runner V2 cannot start a Llama draft on an
+# MLA target; 0.26 runs MoE targets on V1 by itself, and 0.34 refuses the variable).
+OLDER_RUNNER_NOTE = "on vLLM 0.29-0.32, put VLLM_USE_V2_MODEL_RUNNER=0 before the command (Model Runner V1)"
+
+
+def serving_note(config: RunConfig, export_dir: Path) -> str | None:
+    """What the serving command cannot say by itself: the runner switch of older releases, where this
+    environment has no vLLM to tell which release serves (a GPU target with MLA and a Llama-style draft)."""
+    speculative = speculative_config(export_dir, config.validate_.num_speculative_tokens[0])
+    model_dir = Path(serving_path(config.target))
+    settings = {"speculative_config": speculative}
+    if not on_cpu() and llama_draft_on_mla_target(settings, model_dir) and mrv2_plans_the_drafts_own_attention() is None:
+        return OLDER_RUNNER_NOTE
+    return None
 
 
 # vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)

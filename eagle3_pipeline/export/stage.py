@@ -35,7 +35,7 @@ from eagle3_pipeline.export.format import (
     reference_config,
     run_reference_config,
 )
-from eagle3_pipeline.export.serving import serving_command
+from eagle3_pipeline.export.serving import serving_command, serving_note
 from eagle3_pipeline.stage_io import Stage, StageError, read_manifest, write_json_atomic
 from eagle3_pipeline.target import architectures, serving_path, target_facts
 from eagle3_pipeline.train.checkpoint import step_dirs
@@ -68,7 +68,9 @@ def run(config: RunConfig, force: bool = False, checkpoint: str | None = None) -
         with stage.timed(fmt):
             folder = write_export(stage, fmt, state, export_config(config, reference, fmt), card)
         print(f"05_export: {fmt:<11} {folder} ({sum(f.stat().st_size for f in folder.iterdir()) / 2**20:.1f} MiB)")
-    print("serve it with:\n  " + serving_command(config, stage.path(config.export.formats[0]), config.export.formats[0]))
+    served = stage.path(config.export.formats[0])
+    note = serving_note(config, served)
+    print("serve it with:\n  " + serving_command(config, served) + (f"\n  ({note})" if note else ""))
     # What 06 checks each folder against: the spec the config implies (06 cannot build speculators' config)
     specs = {fmt: run_spec(config, fmt).to_json() for fmt in config.export.formats}
     stage.finish(
@@ -228,5 +230,6 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
         "", "## Eval metrics (04_train, teacher forced; acceptance of the (k+1)-th draft token)", *metric_lines,
         "", "## Simulated acceptance (04_train: greedy chain drafting replayed on the eval split's greedy answers, "
         f"up to {config.validate_.max_tokens} tokens per turn; 06_validate measures it in vLLM)", *simulated_lines,
-        "", "## Serving", "```", serving_command(config, final_dir, fmt), "```", "",
+        "", "## Serving", "```", serving_command(config, final_dir), "```",
+        *([f"({serving_note(config, final_dir)})"] if serving_note(config, final_dir) else []), "",
     ])

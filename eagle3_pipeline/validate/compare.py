@@ -261,6 +261,11 @@ def static_differences(path: Path, expected: Spec, serving_len: int) -> list[Dif
     return differences
 
 
+# vLLM 0.34 (transformers_utils/config.py, maybe_override_with_speculators) serves a speculators folder alone only
+# when its verifier names a Hub repository; a local verifier is served through --speculative-config
+LOCAL_VERIFIER_REFUSAL = "must name a remote model repository"
+
+
 def vllm_reads_speculators(folder: Path) -> list[Difference]:
     """`vllm serve <folder>` must detect the speculators format: EAGLE-3, and the verifier named inside."""
     from vllm.transformers_utils.config import maybe_override_with_speculators
@@ -268,6 +273,10 @@ def vllm_reads_speculators(folder: Path) -> list[Difference]:
     try:
         _, _, speculative = maybe_override_with_speculators(str(folder), None, trust_remote_code=False)
     except (ValueError, KeyError, TypeError) as err:
+        if LOCAL_VERIFIER_REFUSAL in str(err):  # the folder itself is fine; 05 and 06 print the form vLLM takes
+            return [Difference(OPTIONAL, "config speculators_config.verifier.name_or_path",
+                               "a local folder: this vLLM serves the draft with the target named and "
+                               "--speculative-config (the serving command's form), not `vllm serve <folder>` alone")]
         return [Difference(BREAKING, "config speculators_config", f"vLLM cannot read it: {err}")]
     if speculative is None or speculative.get("method") != "eagle3":
         return [Difference(BREAKING, "config speculators_config", f"vLLM reads speculative config {speculative}, not eagle3")]

@@ -201,7 +201,7 @@ def build_report(config: RunConfig, served: Path, static: dict[str, list[Differe
         "by_source": by_source(prompts, runs, simulated),
         "without_speculation": {"tokens_per_s": plain.batch.tokens_per_s} if plain else None,
         "static_differences": {fmt: [d.to_json() for d in ds] for fmt, ds in static.items()},
-        "serving_command": serving_command(config, served, served.name, first.num_speculative_tokens if first else None),
+        "serving_command": serving_command(config, served, first.num_speculative_tokens if first else None),
     }
 
 

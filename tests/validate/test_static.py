@@ -167,3 +167,24 @@ def test_skipped_parameters_from_a_load_record():
     required = [f"model.fc_norm.{i}.weight" for i in range(2)]
     assert skipped_parameters(report, required)[0] == [*required, "model.layers.0.mlp.down_proj.weight"]
     assert skipped_parameters({"loads": [], "shared": []})[0][0].startswith("<no Eagle-3 draft was loaded")
+
+
+def test_vllm_refusing_a_local_verifier_alone_is_optional_and_other_refusals_break(good_export, monkeypatch):
+    """vLLM 0.34 serves a speculators folder alone only when its verifier is a Hub repository: the folder is
+    still served as a draft (the serving command's form), so that refusal does not fail 06; any other does."""
+    import vllm.transformers_utils.config as vllm_config
+
+    from eagle3_pipeline.validate.compare import vllm_reads_speculators
+
+    _, _, folder = good_export
+    speculators = folder.parent / "speculators"
+    assert vllm_reads_speculators(speculators) == []  # the installed vLLM reads it
+    for message, kind in (("Speculators verifier must name a remote model repository. Select local verifiers "
+                           "explicitly with --model and --speculative-config.", OPTIONAL),
+                          ("unknown speculators algorithm", BREAKING)):
+        def refuse(*args, message=message, **kwargs):
+            raise ValueError(message)
+
+        monkeypatch.setattr(vllm_config, "maybe_override_with_speculators", refuse)
+        (difference,) = vllm_reads_speculators(speculators)
+        assert difference.kind == kind, message
