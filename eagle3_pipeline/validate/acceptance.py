@@ -170,9 +170,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
     (`Divergence`)."""
     from vllm import SamplingParams
 
-    settings = {}
+    settings = {"dtype": config.validate_.engine_dtype} if config.validate_.engine_dtype else {}
     if k:
-        settings = {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": WORKER_EXTENSION}
+        settings |= {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": WORKER_EXTENSION}
     llm = start_engine(config.target, model_dir, disable_log_stats=False, **settings)
     try:
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once

@@ -152,3 +152,32 @@ def test_the_divergence_table_gives_each_verdict():
     verdicts = [line.split(" | ")[-3:] for line in table.splitlines()[2:]]
     assert verdicts == [["-", "-", "bf16 near-tie |"], ["7", "-", "the target's own batch variance |"],
                         ["5", "-", "changed by the draft |"]]
+
+
+def test_validate_engine_dtype_runs_both_engines_in_it_and_makes_only_06_stale(monkeypatch, tmp_path):
+    """`validate.engine_dtype` reaches the engine with the draft and the one without (what the greedy check
+    compares), and a change reruns 06 alone: 01's answers stay."""
+    import pytest
+
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stage_io import stages_made_stale_by
+    from eagle3_pipeline.validate import acceptance
+
+    class Started(Exception):
+        pass
+
+    started = []
+
+    def start_engine(target, model_dir, **settings):
+        started.append(settings)
+        raise Started
+
+    monkeypatch.setattr(acceptance, "start_engine", start_engine)
+    for dtype in ("float32", None):
+        config = load_config("configs/demo.yaml", [f"validate.engine_dtype={dtype or 'null'}"])
+        for k in (0, 3):
+            with pytest.raises(Started):
+                acceptance.serve(config, tmp_path, [], tmp_path / "export", k)
+    assert [settings.get("dtype") for settings in started] == ["float32", "float32", None, None]
+    assert "speculative_config" in started[1] and "speculative_config" not in started[0]
+    assert stages_made_stale_by("validate.engine_dtype") == ["06_validate"]
