@@ -14,7 +14,9 @@ With the acceptance length AL of that phase, decoding with the draft takes T + k
 and k draft steps) per AL tokens, against T per token without it: the predicted speed-up is AL·T / (T + k·D),
 reported beside the measured one. The verifying step checks k+1 tokens per request; at concurrency 1 that costs
 about what one decode step does, so the two agree unless the engine spends time elsewhere (rejection sampling,
-the draft's prefill, scheduling).
+the draft's prefill, scheduling). That elsewhere is measured too: the cycle C, the decode time with the draft
+over its verifying steps (vLLM's draft counter: one per verifying step of a request), against T + k·D; the rest,
+C - T - k·D, is what the prediction leaves out, in milliseconds per cycle (`unexplained_ms`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Timing:
     seconds: float = 0.0
     latencies_s: list[float] = field(default_factory=list)  # per request: first-token latency + decode time
     step_s: list[float] = field(default_factory=list)  # per request: decode time / (generated tokens - 1)
+    decode_s: float = 0.0  # decode time summed over requests (first token to last)
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,6 +56,7 @@ class Timing:
             self.generated_tokens += tokens
             stats = result.metrics  # vLLM's RequestStateStats (the engine logs stats: disable_log_stats=False)
             decode = stats.last_token_ts - stats.first_token_ts
+            self.decode_s += decode
             self.latencies_s.append(stats.first_token_latency + decode)
             if tokens > 1:
                 self.step_s.append(decode / (tokens - 1))
@@ -89,9 +93,11 @@ def speed_report(run, plain) -> dict:
     target_step = statistics.median(plain_single.timing.step_s) if plain_single and plain_single.timing.step_s else None
     draft_step = statistics.median(single.draft_rounds_s) / k if single.draft_rounds_s else None
     acceptance_length = single.mean_acceptance_length
-    predicted = None
+    predicted = unexplained = None
+    cycle = single.timing.decode_s / single.counts.drafts if single.counts.drafts else None
     if target_step and draft_step is not None:
         predicted = acceptance_length * target_step / (target_step + k * draft_step)
+        unexplained = cycle - target_step - k * draft_step if cycle else None
     report["concurrency_1"] = {
         "with_draft": single.timing.to_json(),
         "without_draft": plain_single.timing.to_json() if plain_single else None,
@@ -101,6 +107,8 @@ def speed_report(run, plain) -> dict:
         "target_step_ms": target_step * 1e3 if target_step else None,
         "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
         "predicted_speedup": predicted,  # AL·T / (T + k·D)
+        "cycle_ms": cycle * 1e3 if cycle else None,  # decode time with the draft / verifying steps
+        "unexplained_ms": unexplained * 1e3 if unexplained is not None else None,  # cycle - T - k·D
         "measured_speedup": single.timing.tokens_per_s / plain_single.timing.tokens_per_s if plain_single else None,
     }
     return report

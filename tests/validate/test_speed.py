@@ -36,6 +36,7 @@ def test_timing_reads_latency_and_decode_step_from_request_timestamps():
     assert timing.generated_tokens == 12 and timing.tokens_per_s == 4.0
     assert timing.latencies_s == [2.5, 0.25]
     assert timing.step_s == [0.2]  # 2 s over 10 decoded tokens; a one-token answer has no decode step
+    assert timing.decode_s == 2.0
 
 
 class Runner:
@@ -74,7 +75,7 @@ def test_draft_step_timer_needs_a_drafter():
 
 def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float], accepted: int, drafts: int):
     timing = Timing(concurrency=1, generated_tokens=round(tokens_per_s), seconds=1.0, latencies_s=[1.0],
-                    step_s=[step_s])
+                    step_s=[step_s], decode_s=step_s * (round(tokens_per_s) - 1))
     counts = AcceptanceCounts(k, drafts, k * drafts, accepted, [accepted] + [0] * (k - 1) if k else [])
     single = SingleRequests(timing, counts, rounds_s)
     return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), single)
@@ -88,5 +89,8 @@ def test_speed_report_predicts_al_t_over_t_plus_k_d():
     assert speed["target_step_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
     assert speed["predicted_speedup"] == pytest.approx(3.0 * 10 / (10 + 3 * 2))
     assert speed["measured_speedup"] == pytest.approx(1.5)
+    # 149 decoded tokens at 20 ms over 50 verifying steps: 59.6 ms a cycle, 43.6 more than T + k·D
+    assert speed["cycle_ms"] == pytest.approx(0.020 * 149 / 50 * 1e3)
+    assert speed["unexplained_ms"] == pytest.approx(speed["cycle_ms"] - 10 - 3 * 2)
     # no target step without a run without the draft
     assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None
