@@ -36,7 +36,7 @@ from eagle3_pipeline.validate.request_steps import (
     recorded_steps,
     request_steps,
 )
-from eagle3_pipeline.validate.speed import DRAFT_TIMING, START_DRAFT_TIMING, Timing
+from eagle3_pipeline.validate.speed import DRAFT_TIMING, ENGINE_STEP_CALLS, PROPOSE, START_DRAFT_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, loaded_parameters, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 
@@ -132,7 +132,18 @@ class SingleRequests(Counted):
 
     timing: Timing
     counts: AcceptanceCounts
-    draft_rounds_s: list[float]  # seconds of each drafting round (k draft steps); empty without a draft
+    worker_s: dict[str, list[float]]  # seconds of each timed worker call by name (speed.py); empty without a draft
+
+    @property
+    def draft_rounds_s(self) -> list[float]:
+        """Seconds of each drafting round (k draft steps)."""
+        return self.worker_s.get(PROPOSE, [])
+
+    @property
+    def engine_steps_s(self) -> list[float]:
+        """Seconds of each engine step in the worker: the verifying forward, then sampling, rejection and the next
+        drafting round (the model runner's `execute_model` + `sample_tokens`, call by call)."""
+        return [sum(calls) for calls in zip(*(self.worker_s.get(name, []) for name in ENGINE_STEP_CALLS))]
 
 
 @dataclass
@@ -222,9 +233,9 @@ def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params,
         started = time.perf_counter()
         results = llm.generate([request(prompt.token_ids, prompt.images, vision)], params, use_tqdm=False)
         timing.add(results, time.perf_counter() - started)
-    rounds = llm.collective_rpc(DRAFT_TIMING)[0] if k else []  # tensor parallel: every rank drafts in step; rank 0's
+    worker_s = llm.collective_rpc(DRAFT_TIMING)[0] if k else {}  # tensor parallel: every rank steps alike; rank 0's
     after = read_counters(llm.get_metrics(), k)
-    return SingleRequests(timing, after - before, rounds)
+    return SingleRequests(timing, after - before, worker_s)
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],

@@ -41,8 +41,8 @@ def speed_table(report: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     rows = ["| k | phase (requests) | tokens/s with / without | latency p50 s with / without | target step ms | "
-            "draft step ms | cycle ms | unexplained ms | AL | predicted speed-up | measured speed-up |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "draft step ms | cycle ms | unexplained ms | engine step ms | AL | predicted speed-up | measured speed-up |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for phase, speed in (("eval batch", run["speed"]["eval_batch"]), ("1", run["speed"]["concurrency_1"])):
             if speed is None:
@@ -54,7 +54,8 @@ def speed_table(report: dict) -> str:
                 f"{with_draft['tokens_per_s']:.1f} / {cell(without.get('tokens_per_s'), '.1f')} | "
                 f"{cell(with_draft['latency_s_p50'], '.3f')} / {cell(without.get('latency_s_p50'), '.3f')} | "
                 f"{cell(speed.get('target_step_ms'), '.2f')} | {cell(speed.get('draft_step_ms'), '.2f')} | "
-                f"{cell(speed.get('cycle_ms'), '.2f')} | {cell(speed.get('unexplained_ms'), '.2f')} | {al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
+                f"{cell(speed.get('cycle_ms'), '.2f')} | {cell(speed.get('unexplained_ms'), '.2f')} | "
+                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
     return "\n".join(rows)
 
 
@@ -118,7 +119,8 @@ def markdown(report: dict) -> str:
                   ("Eval batch: the prompts of each eval source submitted at once; 1: the first prompts one at a "
                    "time. Latency: time to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
                    "token without the draft; draft step: one timed drafting round / k. Cycle: decode time with the "
-                   "draft / its verifying steps; unexplained: cycle - T - k·D, what the prediction leaves out. "
+                   "draft / its verifying steps; unexplained: cycle - T - k·D, what the prediction leaves out; engine "
+                   "step: the worker's verifying forward, sampling, rejection and next drafting round (median). "
                    "Predicted speed-up: AL·T / (T + k·D) (eagle3_pipeline/validate/speed.py)."), "",
                   "## Mean acceptance length per eval source", "", benchmark_table(report), "",
                   ("Pooled: 1 + accepted / drafts over all requests (vLLM's spec-decode counters). Mean of "

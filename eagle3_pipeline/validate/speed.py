@@ -16,7 +16,10 @@ reported beside the measured one. The verifying step checks k+1 tokens per reque
 about what one decode step does, so the two agree unless the engine spends time elsewhere (rejection sampling,
 the draft's prefill, scheduling). That elsewhere is measured too: the cycle C, the decode time with the draft
 over its verifying steps (vLLM's draft counter: one per verifying step of a request), against T + k·D; the rest,
-C - T - k·D, is what the prediction leaves out, in milliseconds per cycle (`unexplained_ms`).
+C - T - k·D, is what the prediction leaves out, in milliseconds per cycle (`unexplained_ms`). The worker also
+times the model runner's engine steps (`execute_model` + `sample_tokens`: the verifying forward, sampling,
+rejection and the next drafting round), which splits the cycle into the verifying part (engine step - k·D) and
+the time outside the worker's step (C - engine step: scheduling, the engine's messages, output processing).
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from dataclasses import dataclass, field
 
 START_DRAFT_TIMING = "start_draft_timing"
 DRAFT_TIMING = "draft_timing"
+# what the worker times, by name: the drafter's round, and the model runner's two halves of an engine step (the
+# verifying forward, then sampling, rejection and, in vLLM's runners, the next drafting round)
+PROPOSE, ENGINE_STEP_CALLS = "propose", ("execute_model", "sample_tokens")
 
-_intervals: list[tuple] = []  # (start mark, end mark) per timed propose call in this worker process
+_intervals: dict[str, list[tuple]] = {}  # name -> (start mark, end mark) per timed call in this worker process
 _recording = [False]
 
 
@@ -95,6 +101,7 @@ def speed_report(run, plain) -> dict:
     acceptance_length = single.mean_acceptance_length
     predicted = unexplained = None
     cycle = single.timing.decode_s / single.counts.drafts if single.counts.drafts else None
+    engine_step = statistics.median(single.engine_steps_s) if single.engine_steps_s else None
     if target_step and draft_step is not None:
         predicted = acceptance_length * target_step / (target_step + k * draft_step)
         unexplained = cycle - target_step - k * draft_step if cycle else None
@@ -104,11 +111,17 @@ def speed_report(run, plain) -> dict:
         "mean_acceptance_length": acceptance_length,
         "num_drafts": single.counts.drafts,  # vLLM's counter over this phase
         "draft_rounds_timed": len(single.draft_rounds_s),
+        "engine_steps_timed": len(single.engine_steps_s),
         "target_step_ms": target_step * 1e3 if target_step else None,
         "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
         "predicted_speedup": predicted,  # AL·T / (T + k·D)
         "cycle_ms": cycle * 1e3 if cycle else None,  # decode time with the draft / verifying steps
         "unexplained_ms": unexplained * 1e3 if unexplained is not None else None,  # cycle - T - k·D
+        # the cycle split at the worker: its engine step (verifying forward, sampling, rejection, the next drafting
+        # round), of which the verifying part is what k·D leaves, and the time outside the worker's step
+        "engine_step_ms": engine_step * 1e3 if engine_step else None,
+        "verify_ms": (engine_step - k * draft_step) * 1e3 if engine_step and draft_step is not None else None,
+        "outside_step_ms": (cycle - engine_step) * 1e3 if cycle and engine_step else None,
         "measured_speedup": single.timing.tokens_per_s / plain_single.timing.tokens_per_s if plain_single else None,
     }
     return report
@@ -116,25 +129,28 @@ def speed_report(run, plain) -> dict:
 
 # --- in vLLM's worker processes ------------------------------------------------------------------------------
 class DraftStepTimer:
-    """Mixed into vLLM's worker class (06's worker extension): times the drafter's `propose` calls through
-    `llm.collective_rpc(START_DRAFT_TIMING)` ... `llm.collective_rpc(DRAFT_TIMING)`."""
+    """Mixed into vLLM's worker class (06's worker extension): times the drafter's `propose` calls and the model
+    runner's engine steps through `llm.collective_rpc(START_DRAFT_TIMING)` ... `llm.collective_rpc(DRAFT_TIMING)`."""
 
     def start_draft_timing(self) -> None:
-        proposer = drafter(self.model_runner)
-        if not getattr(proposer.propose, "timed", False):
-            proposer.propose = _timed(proposer.propose)
+        timed = [(drafter(self.model_runner), PROPOSE)]
+        timed += [(self.model_runner, name) for name in ENGINE_STEP_CALLS if callable(getattr(self.model_runner, name, None))]
+        for owner, name in timed:
+            if not getattr(getattr(owner, name), "timed", False):
+                setattr(owner, name, _timed(getattr(owner, name), name))
         _intervals.clear()
         _recording[0] = True
 
-    def draft_timing(self) -> list[float]:
-        """Seconds of each propose call since `start_draft_timing`; stops recording."""
+    def draft_timing(self) -> dict[str, list[float]]:
+        """Seconds of each timed call since `start_draft_timing`, by name (`propose`, `execute_model`,
+        `sample_tokens`); stops recording."""
         import torch
 
         _recording[0] = False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        seconds = [start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time") else end - start
-                   for start, end in _intervals]
+        seconds = {name: [start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time") else end - start
+                          for start, end in marks] for name, marks in _intervals.items()}
         _intervals.clear()
         return seconds
 
@@ -159,15 +175,15 @@ def _mark():
     return time.perf_counter()
 
 
-def _timed(propose):
-    @functools.wraps(propose)
-    def timed_propose(*args, **kwargs):
+def _timed(call, name: str):
+    @functools.wraps(call)
+    def timed_call(*args, **kwargs):
         if not _recording[0]:
-            return propose(*args, **kwargs)
+            return call(*args, **kwargs)
         start = _mark()
-        result = propose(*args, **kwargs)
-        _intervals.append((start, _mark()))
+        result = call(*args, **kwargs)
+        _intervals.setdefault(name, []).append((start, _mark()))
         return result
 
-    timed_propose.timed = True
-    return timed_propose
+    timed_call.timed = True
+    return timed_call

@@ -40,6 +40,8 @@ def test_timing_reads_latency_and_decode_step_from_request_timestamps():
 
 
 class Runner:
+    """A model runner whose engine step (`execute_model`, then `sample_tokens`) runs one drafting round."""
+
     def __init__(self, attribute: str, seconds: float):
         proposer = SimpleNamespace(calls=0)
 
@@ -50,22 +52,35 @@ class Runner:
 
         proposer.propose = propose
         setattr(self, attribute, proposer)
+        self.attribute = attribute
+
+    def execute_model(self):
+        time.sleep(0.01)
+
+    def sample_tokens(self):
+        return getattr(self, self.attribute).propose()
 
 
 @pytest.mark.parametrize("attribute", ["drafter", "speculator"])  # V1, Model Runner V2
-def test_draft_step_timer_times_each_propose_while_recording(attribute):
+def test_draft_step_timer_times_each_propose_and_engine_step_while_recording(attribute):
     worker = SimpleNamespace(model_runner=Runner(attribute, 0.02))
     proposer = getattr(worker.model_runner, attribute)
     DraftStepTimer.start_draft_timing(worker)
     DraftStepTimer.start_draft_timing(worker)  # wraps once
     assert proposer.propose(1, 2) == (1, 2)
-    proposer.propose()
+    worker.model_runner.execute_model()
+    worker.model_runner.sample_tokens()
     seconds = DraftStepTimer.draft_timing(worker)
-    assert len(seconds) == 2 and all(0.015 < s < 0.5 for s in seconds)
+    assert sorted(seconds) == ["execute_model", "propose", "sample_tokens"]
+    assert len(seconds["propose"]) == 2 and all(0.015 < s < 0.5 for s in seconds["propose"])
+    assert 0.005 < seconds["execute_model"][0] < 0.5 and seconds["sample_tokens"][0] >= seconds["propose"][1]
+    single = SingleRequests(Timing(concurrency=1), AcceptanceCounts(3), seconds)
+    assert single.draft_rounds_s == seconds["propose"]
+    assert single.engine_steps_s == [seconds["execute_model"][0] + seconds["sample_tokens"][0]]
     proposer.propose()  # not recording any more
     assert proposer.calls == 3
     DraftStepTimer.start_draft_timing(worker)
-    assert DraftStepTimer.draft_timing(worker) == []
+    assert DraftStepTimer.draft_timing(worker) == {}
 
 
 def test_draft_step_timer_needs_a_drafter():
@@ -73,17 +88,21 @@ def test_draft_step_timer_needs_a_drafter():
         DraftStepTimer.start_draft_timing(SimpleNamespace(model_runner=SimpleNamespace(drafter=None)))
 
 
-def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float], accepted: int, drafts: int):
+def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float], accepted: int, drafts: int,
+               engine_steps_s: list[float] = ()):
     timing = Timing(concurrency=1, generated_tokens=round(tokens_per_s), seconds=1.0, latencies_s=[1.0],
                     step_s=[step_s], decode_s=step_s * (round(tokens_per_s) - 1))
     counts = AcceptanceCounts(k, drafts, k * drafts, accepted, [accepted] + [0] * (k - 1) if k else [])
-    single = SingleRequests(timing, counts, rounds_s)
+    worker_s = {"propose": rounds_s, "execute_model": [s / 2 for s in engine_steps_s],
+                "sample_tokens": [s / 2 for s in engine_steps_s]} if k else {}
+    single = SingleRequests(timing, counts, worker_s)
     return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), single)
 
 
 def test_speed_report_predicts_al_t_over_t_plus_k_d():
     plain = engine_run(0, step_s=0.010, tokens_per_s=100, rounds_s=[], accepted=0, drafts=0)
-    drafted = engine_run(3, step_s=0.020, tokens_per_s=150, rounds_s=[0.006, 0.003, 0.009], accepted=100, drafts=50)
+    drafted = engine_run(3, step_s=0.020, tokens_per_s=150, rounds_s=[0.006, 0.003, 0.009], accepted=100, drafts=50,
+                         engine_steps_s=[0.030, 0.020, 0.040])
     speed = speed_report(drafted, plain)["concurrency_1"]
     assert speed["mean_acceptance_length"] == 3.0  # 1 + 100 / 50
     assert speed["target_step_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
@@ -92,5 +111,8 @@ def test_speed_report_predicts_al_t_over_t_plus_k_d():
     # 149 decoded tokens at 20 ms over 50 verifying steps: 59.6 ms a cycle, 43.6 more than T + k·D
     assert speed["cycle_ms"] == pytest.approx(0.020 * 149 / 50 * 1e3)
     assert speed["unexplained_ms"] == pytest.approx(speed["cycle_ms"] - 10 - 3 * 2)
+    # the median engine step (30 ms) splits the cycle: 24 ms verifying beside k·D, the rest outside the worker
+    assert speed["engine_step_ms"] == pytest.approx(30.0) and speed["verify_ms"] == pytest.approx(24.0)
+    assert speed["outside_step_ms"] == pytest.approx(speed["cycle_ms"] - 30.0)
     # no target step without a run without the draft
     assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None

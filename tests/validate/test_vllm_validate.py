@@ -89,7 +89,7 @@ def test_speed_phases_and_the_draft_rounds_vllm_counted(validated_demo):
     """06's speed section from the engines: both phases timed, and at concurrency 1 the draft step timer saw
     the drafting rounds vLLM's counters count: each verified draft was proposed in a timed round, and a request
     leaves at most two rounds unverified (its last; with asynchronous scheduling one more: the tiny Kimi on vLLM
-    CPU left 2 over 2 requests, SmolLM2 on the H200 under MRv2 25 over 16)."""
+    CPU left 2 over 2 requests, SmolLM2 on the H200 under MRv2 25 over 16); the engine steps split the cycle."""
     config, report = validated_demo
     speed = report["runs"][0]["speed"]
     batch, single = speed["eval_batch"], speed["concurrency_1"]
@@ -99,6 +99,10 @@ def test_speed_phases_and_the_draft_rounds_vllm_counted(validated_demo):
     assert requests == single["without_draft"]["requests"] == min(config.validate_.latency_prompts, report["prompts"])
     assert single["num_drafts"] <= single["draft_rounds_timed"] <= single["num_drafts"] + 2 * requests
     assert single["target_step_ms"] > 0 and single["draft_step_ms"] > 0
+    # the worker's engine steps: one per verifying step at least (prefills too), each holding a drafting round,
+    # and within the cycle the request timestamps measure
+    assert single["engine_steps_timed"] >= single["num_drafts"]
+    assert single["verify_ms"] > 0 and 0 < single["engine_step_ms"] <= single["cycle_ms"]
     print(f"\nspeed at concurrency 1: {single}")
 
 
