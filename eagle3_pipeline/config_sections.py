@@ -474,8 +474,12 @@ class ValidateConfig(Section):
     max_prompts: int | None = Field(None, ge=1, description="eval prompts to run; null = all")
     max_tokens: int = Field(128, ge=1, description="tokens generated per prompt")
     latency_prompts: int = Field(
-        8, ge=0, description="eval prompts each engine also runs one at a time: latency, target and draft step "
-        "times, the predicted against the measured speed-up at concurrency 1; 0 = skip"
+        8, ge=0, description="eval prompts each engine also runs at each of latency_concurrency (one at a time at "
+        "1): latency, target and draft step times, the predicted against the measured speed-up; 0 = skip"
+    )
+    latency_concurrency: list[int] = Field(
+        [1], min_length=1, description="requests at once in those runs: the first latency_prompts prompts in groups "
+        "of that many (at least one group of that many, where the eval set has them), one speed row each"
     )
     min_acceptance_ratio: float = Field(
         0.5, ge=0, le=1, description="flag a train/serve mismatch below this x eval step-0 accuracy"
@@ -493,3 +497,9 @@ class ValidateConfig(Section):
         "between the two tokens is at most this (reported); a larger margin fails the stage unless it is the target's "
         "own batch variance (docs/06_validate.md)"
     )
+
+    @model_validator(mode="after")
+    def _positive_concurrency(self) -> ValidateConfig:
+        if min(self.latency_concurrency) < 1:
+            raise ValueError(f"latency_concurrency {self.latency_concurrency}: requests at once are at least 1")
+        return self

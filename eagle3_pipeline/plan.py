@@ -160,14 +160,16 @@ def stage_gpu_hours(config: RunConfig, data: Data) -> dict[str, float | None]:
 
 def validation_seconds(config: RunConfig) -> float:
     """06 on one node: one engine per k (plus one without the draft), each running the eval prompts batched and
-    the latency prompts one at a time."""
+    the latency prompts in groups of each latency concurrency (a group decodes at about one stream's pace)."""
     validate = config.validate_
     engines = len(validate.num_speculative_tokens) + validate.compare_without_speculation
     prompts = validate.max_prompts or sum(s.limit or BENCHMARK_CONVERSATIONS.get(s.kind, 0)
                                           for s in config.data.eval_sources)
     batched = prompts * validate.max_tokens / REGENERATION.value
-    one_at_a_time = validate.latency_prompts * validate.max_tokens / SINGLE_STREAM.value
-    return engines * (ENGINE_START.value + batched + one_at_a_time)
+    groups = sum(-(-max(validate.latency_prompts, c) // c) for c in validate.latency_concurrency) \
+        if validate.latency_prompts else 0
+    grouped = groups * validate.max_tokens / SINGLE_STREAM.value
+    return engines * (ENGINE_START.value + batched + grouped)
 
 
 def split_layout(capture_nodes: int | None, trainer_nodes: int, optimizer: str) -> tuple[int, int]:

@@ -91,6 +91,7 @@ def test_overrides_go_through_validation(tmp_path):
         ("draft.num_key_value_heads=2", "multiple of num_key_value_heads"),
         ("capture.aux_layer_ids=[2, 2]", "distinct"),
         ("capture.aux_layer_ids=[3, 1, 2]", "ascending"),  # vLLM hands them over in ascending order
+        ("validate.latency_concurrency=[1, 0]", "requests at once are at least 1"),
         # the demo standardises the aux states; an input norm would normalise them again
         ("draft.norm_before_fc=true", r"^[^{]*train.standardize_aux scales what draft.norm_before_fc normalises[^{]*$"),
         ("draft.fc_norm=true", r"^[^{]*train.standardize_aux scales what draft.fc_norm normalises[^{]*$"),

@@ -40,7 +40,8 @@ def test_one_row_against_a_hand_computation():
     capture = 600_000 * 4000 * (1 / prefill + 5.216e-6) * node
     training = 600_000 * 4000 / (34_586 / (760.2 / 476.8) * 8 * 0.863) * node  # train.optimizer muon
     # 06: an engine with the draft at k=3 and one without, each: start, 256 prompts x 512 tokens batched, 8 alone
-    validation = 2 * (600 + 256 * 512 / (16.7 * 64) + 8 * 512 / 91.2) * node
+    # latency groups: 8 prompts one at a time, 2 groups of 4, one of 16 (validate.latency_concurrency [1, 4, 16])
+    validation = 2 * (600 + 256 * 512 / (16.7 * 64) + (8 + 2 + 1) * 512 / 91.2) * node
     assert stages == pytest.approx({
         "01 regeneration, target alone": regeneration, "01 regeneration, with a draft": regeneration / 1.18,
         "02 capture, offline (once)": capture, "02 capture, stream (per epoch)": capture,

@@ -12,7 +12,8 @@ as `eagle3_pipeline.acceptance.AcceptanceCounts`, the type 04's simulation produ
 figures, the eval batch records the tokens each engine step emitted per request (request_steps.py): the mean
 over requests of each request's own acceptance length.
 
-Then the first `validate.latency_prompts` prompts run one at a time, for latency and step times (speed.py).
+Then the first `validate.latency_prompts` prompts run again in groups of each `validate.latency_concurrency` (one
+at a time at 1), for latency and step times at that concurrency (speed.py).
 
 Callers need a `__main__` guard: vLLM spawns its engine process.
 """
@@ -127,8 +128,8 @@ NEAR_TIE, BATCH_VARIANCE, CHANGED_BY_DRAFT = "bf16 near-tie", "the target's own 
 
 
 @dataclass
-class SingleRequests(Counted):
-    """The prompts run one at a time: their timing, spec-decode counts and the draft's timed rounds."""
+class GroupedRequests(Counted):
+    """The prompts run in groups of one concurrency: their timing, spec-decode counts and the worker's timed calls."""
 
     timing: Timing
     counts: AcceptanceCounts
@@ -151,7 +152,8 @@ class EngineRun(RequestCounted):
     num_speculative_tokens: int  # 0: no speculation
     outputs: list[list[int]]  # generated token ids per prompt
     batch: Timing  # the eval batch: every prompt of a source at once
-    single: SingleRequests | None = None  # the first validate.latency_prompts prompts, one at a time
+    # by concurrency: the first validate.latency_prompts prompts in groups of validate.latency_concurrency
+    grouped: dict[int, GroupedRequests] = field(default_factory=dict)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(0))  # over the eval batch
     by_source: dict[str, SourceCounts] = field(default_factory=dict)
     divergences: list[Divergence] = field(default_factory=list)  # against the run without speculation
@@ -200,8 +202,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
             for i, result in zip(indices, results):
                 run.outputs[i] = list(result.outputs[0].token_ids)
         run.counts = sum((c.counts for c in run.by_source.values()), AcceptanceCounts(k))
-        if config.validate_.latency_prompts:
-            run.single = one_at_a_time(llm, vision, prompts[:config.validate_.latency_prompts], params, k)
+        for concurrency in config.validate_.latency_concurrency if config.validate_.latency_prompts else ():
+            chosen = prompts[:max(config.validate_.latency_prompts, concurrency)]
+            run.grouped[concurrency] = in_groups(llm, vision, chosen, params, k, concurrency)
         for other in compare_with:
             other.divergences = probe_divergences(llm, vision, prompts, run.outputs, other.outputs, params)
         return run
@@ -223,19 +226,21 @@ def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing) 
     return results, SourceCounts(counts, request_steps(results, emitted))
 
 
-def one_at_a_time(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int) -> SingleRequests:
-    """Each prompt alone (concurrency 1): timing, the phase's spec-decode counters, the timed drafting rounds."""
-    timing = Timing(concurrency=1)
+def in_groups(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int, concurrency: int) -> GroupedRequests:
+    """The prompts `concurrency` at a time, each group one `llm.generate` call: timing, the phase's spec-decode
+    counters, the worker's timed drafting rounds and engine steps."""
+    timing = Timing(concurrency=concurrency)
     before = read_counters(llm.get_metrics(), k)
     if k:
         llm.collective_rpc(START_DRAFT_TIMING)
-    for prompt in prompts:
+    for first in range(0, len(prompts), concurrency):
+        group = [request(prompt.token_ids, prompt.images, vision) for prompt in prompts[first:first + concurrency]]
         started = time.perf_counter()
-        results = llm.generate([request(prompt.token_ids, prompt.images, vision)], params, use_tqdm=False)
+        results = llm.generate(group, params, use_tqdm=False)
         timing.add(results, time.perf_counter() - started)
     worker_s = llm.collective_rpc(DRAFT_TIMING)[0] if k else {}  # tensor parallel: every rank steps alike; rank 0's
     after = read_counters(llm.get_metrics(), k)
-    return SingleRequests(timing, after - before, worker_s)
+    return GroupedRequests(timing, after - before, worker_s)
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],

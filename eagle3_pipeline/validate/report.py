@@ -44,9 +44,7 @@ def speed_table(report: dict) -> str:
             "draft step ms | cycle ms | unexplained ms | engine step ms | AL | predicted speed-up | measured speed-up |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
-        for phase, speed in (("eval batch", run["speed"]["eval_batch"]), ("1", run["speed"]["concurrency_1"])):
-            if speed is None:
-                continue
+        for phase, speed in [("eval batch", run["speed"]["eval_batch"]), *run["speed"]["by_concurrency"].items()]:
             with_draft, without = speed["with_draft"], speed["without_draft"] or {}
             al = speed.get("mean_acceptance_length", run["mean_acceptance_length"])
             rows.append(
@@ -55,7 +53,8 @@ def speed_table(report: dict) -> str:
                 f"{cell(with_draft['latency_s_p50'], '.3f')} / {cell(without.get('latency_s_p50'), '.3f')} | "
                 f"{cell(speed.get('target_step_ms'), '.2f')} | {cell(speed.get('draft_step_ms'), '.2f')} | "
                 f"{cell(speed.get('cycle_ms'), '.2f')} | {cell(speed.get('unexplained_ms'), '.2f')} | "
-                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
+                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | "
+                f"{cell(speed['measured_speedup'], '.2f')} |")
     return "\n".join(rows)
 
 
@@ -116,8 +115,8 @@ def markdown(report: dict) -> str:
                    f"from 04_train: {report['eval_step0_accuracy']}; first-position acceptance must reach "
                    f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", "",
                   "## Speed", "", speed_table(report), "",
-                  ("Eval batch: the prompts of each eval source submitted at once; 1: the first prompts one at a "
-                   "time. Latency: time to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
+                  ("Eval batch: the prompts of each eval source submitted at once; a number: the first prompts in "
+                   "groups of that many (1: one at a time). Latency: time to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
                    "token without the draft; draft step: one timed drafting round / k. Cycle: decode time with the "
                    "draft / its verifying steps; unexplained: cycle - T - k·D, what the prediction leaves out; engine "
                    "step: the worker's verifying forward, sampling, rejection and next drafting round (median). "

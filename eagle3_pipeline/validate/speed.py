@@ -1,10 +1,10 @@
 """Stage 06: how fast the target decodes with the draft and without it, as a user of the engine sees it.
 
 Each engine of 06 runs the eval prompts twice: all at once (the eval batch, the acceptance run) and then the first
-`validate.latency_prompts` of them one at a time (concurrency 1). Per phase: generated tokens/s (wall clock) and
+`validate.latency_prompts` of them in groups of each `validate.latency_concurrency` (1: one at a time). Per phase: generated tokens/s (wall clock) and
 per-request latency (vLLM's own request timestamps: time to the first token plus decode time).
 
-At concurrency 1 two step times are measured, each on its own:
+At each such concurrency two step times are measured, each on its own:
 - the target step T: the decode time per generated token of the engine without the draft (one target forward,
   scheduling and sampling included);
 - the draft step D: each call of the drafter's `propose` (k draft forwards, one round) is timed in the worker,
@@ -86,32 +86,35 @@ def quantile(values: list[float], q: float) -> float | None:
 
 def speed_report(run, plain) -> dict:
     """Tokens/s, latency, step times and the predicted against the measured speed-up of one engine run with the
-    draft (`acceptance.EngineRun`) against the one without it (None when 06 ran none)."""
-    k = run.num_speculative_tokens
-    report = {
+    draft (`acceptance.EngineRun`) against the one without it (None when 06 ran none): at the eval batch, and at
+    each concurrency of `validate.latency_concurrency` (by its value, as a string key)."""
+    return {
         "eval_batch": {"with_draft": run.batch.to_json(), "without_draft": plain.batch.to_json() if plain else None,
                        "measured_speedup": run.batch.tokens_per_s / plain.batch.tokens_per_s if plain else None},
-        "concurrency_1": None,
+        "by_concurrency": {str(concurrency): grouped_speed(group, plain.grouped.get(concurrency) if plain else None,
+                                                           run.num_speculative_tokens)
+                           for concurrency, group in run.grouped.items()},
     }
-    single, plain_single = run.single, plain.single if plain else None
-    if single is None:
-        return report
-    target_step = statistics.median(plain_single.timing.step_s) if plain_single and plain_single.timing.step_s else None
-    draft_step = statistics.median(single.draft_rounds_s) / k if single.draft_rounds_s else None
-    acceptance_length = single.mean_acceptance_length
+
+
+def grouped_speed(group, plain_group, k: int) -> dict:
+    """One concurrency's figures: T from the run without the draft, D, the cycle and its split from the run with it."""
+    target_step = statistics.median(plain_group.timing.step_s) if plain_group and plain_group.timing.step_s else None
+    draft_step = statistics.median(group.draft_rounds_s) / k if group.draft_rounds_s else None
+    acceptance_length = group.mean_acceptance_length
     predicted = unexplained = None
-    cycle = single.timing.decode_s / single.counts.drafts if single.counts.drafts else None
-    engine_step = statistics.median(single.engine_steps_s) if single.engine_steps_s else None
+    cycle = group.timing.decode_s / group.counts.drafts if group.counts.drafts else None
+    engine_step = statistics.median(group.engine_steps_s) if group.engine_steps_s else None
     if target_step and draft_step is not None:
         predicted = acceptance_length * target_step / (target_step + k * draft_step)
         unexplained = cycle - target_step - k * draft_step if cycle else None
-    report["concurrency_1"] = {
-        "with_draft": single.timing.to_json(),
-        "without_draft": plain_single.timing.to_json() if plain_single else None,
+    return {
+        "with_draft": group.timing.to_json(),
+        "without_draft": plain_group.timing.to_json() if plain_group else None,
         "mean_acceptance_length": acceptance_length,
-        "num_drafts": single.counts.drafts,  # vLLM's counter over this phase
-        "draft_rounds_timed": len(single.draft_rounds_s),
-        "engine_steps_timed": len(single.engine_steps_s),
+        "num_drafts": group.counts.drafts,  # vLLM's counter over this phase
+        "draft_rounds_timed": len(group.draft_rounds_s),
+        "engine_steps_timed": len(group.engine_steps_s),
         "target_step_ms": target_step * 1e3 if target_step else None,
         "draft_step_ms": draft_step * 1e3 if draft_step is not None else None,
         "predicted_speedup": predicted,  # AL·T / (T + k·D)
@@ -122,9 +125,8 @@ def speed_report(run, plain) -> dict:
         "engine_step_ms": engine_step * 1e3 if engine_step else None,
         "verify_ms": (engine_step - k * draft_step) * 1e3 if engine_step and draft_step is not None else None,
         "outside_step_ms": (cycle - engine_step) * 1e3 if cycle and engine_step else None,
-        "measured_speedup": single.timing.tokens_per_s / plain_single.timing.tokens_per_s if plain_single else None,
+        "measured_speedup": group.timing.tokens_per_s / plain_group.timing.tokens_per_s if plain_group else None,
     }
-    return report
 
 
 # --- in vLLM's worker processes ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eagle3_pipeline.acceptance import AcceptanceCounts
-from eagle3_pipeline.validate.acceptance import EngineRun, SingleRequests
+from eagle3_pipeline.validate.acceptance import EngineRun, GroupedRequests
 from eagle3_pipeline.validate.speed import DraftStepTimer, Timing, quantile, speed_report
 
 
@@ -74,7 +74,7 @@ def test_draft_step_timer_times_each_propose_and_engine_step_while_recording(att
     assert sorted(seconds) == ["execute_model", "propose", "sample_tokens"]
     assert len(seconds["propose"]) == 2 and all(0.015 < s < 0.5 for s in seconds["propose"])
     assert 0.005 < seconds["execute_model"][0] < 0.5 and seconds["sample_tokens"][0] >= seconds["propose"][1]
-    single = SingleRequests(Timing(concurrency=1), AcceptanceCounts(3), seconds)
+    single = GroupedRequests(Timing(concurrency=1), AcceptanceCounts(3), seconds)
     assert single.draft_rounds_s == seconds["propose"]
     assert single.engine_steps_s == [seconds["execute_model"][0] + seconds["sample_tokens"][0]]
     proposer.propose()  # not recording any more
@@ -95,15 +95,15 @@ def engine_run(k: int, step_s: float, tokens_per_s: float, rounds_s: list[float]
     counts = AcceptanceCounts(k, drafts, k * drafts, accepted, [accepted] + [0] * (k - 1) if k else [])
     worker_s = {"propose": rounds_s, "execute_model": [s / 2 for s in engine_steps_s],
                 "sample_tokens": [s / 2 for s in engine_steps_s]} if k else {}
-    single = SingleRequests(timing, counts, worker_s)
-    return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), single)
+    single = GroupedRequests(timing, counts, worker_s)
+    return EngineRun(k, [], Timing(concurrency=4, generated_tokens=100, seconds=2.0, latencies_s=[1.0]), {1: single})
 
 
 def test_speed_report_predicts_al_t_over_t_plus_k_d():
     plain = engine_run(0, step_s=0.010, tokens_per_s=100, rounds_s=[], accepted=0, drafts=0)
     drafted = engine_run(3, step_s=0.020, tokens_per_s=150, rounds_s=[0.006, 0.003, 0.009], accepted=100, drafts=50,
                          engine_steps_s=[0.030, 0.020, 0.040])
-    speed = speed_report(drafted, plain)["concurrency_1"]
+    speed = speed_report(drafted, plain)["by_concurrency"]["1"]
     assert speed["mean_acceptance_length"] == 3.0  # 1 + 100 / 50
     assert speed["target_step_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
     assert speed["predicted_speedup"] == pytest.approx(3.0 * 10 / (10 + 3 * 2))
@@ -115,4 +115,38 @@ def test_speed_report_predicts_al_t_over_t_plus_k_d():
     assert speed["engine_step_ms"] == pytest.approx(30.0) and speed["verify_ms"] == pytest.approx(24.0)
     assert speed["outside_step_ms"] == pytest.approx(speed["cycle_ms"] - 30.0)
     # no target step without a run without the draft
-    assert speed_report(drafted, None)["concurrency_1"]["predicted_speedup"] is None
+    assert speed_report(drafted, None)["by_concurrency"]["1"]["predicted_speedup"] is None
+
+
+class ScriptedEngine:
+    """`llm` as in_groups uses it: each generate call answers every request with 11 tokens over 1 s of decode."""
+
+    def __init__(self):
+        self.groups = []
+
+    def get_metrics(self):
+        return []
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.groups.append(len(requests))
+        return [result(11, 0.5, 100.0, 101.0) for _ in requests]
+
+
+@pytest.mark.parametrize("concurrency, groups", [(1, [1] * 5), (2, [2, 2, 1]), (8, [5])])
+def test_prompts_run_in_groups_of_the_concurrency(concurrency, groups):
+    from eagle3_pipeline.validate.acceptance import EvalPrompt, in_groups
+
+    llm = ScriptedEngine()
+    prompts = [EvalPrompt("gsm8k", [1, 2, 3]) for _ in range(5)]
+    run = in_groups(llm, None, prompts, params=None, k=0, concurrency=concurrency)
+    assert llm.groups == groups and run.timing.concurrency == concurrency
+    assert run.timing.generated_tokens == 55 and run.timing.decode_s == pytest.approx(5.0)
+
+
+def test_the_speed_report_has_a_row_per_concurrency():
+    plain = engine_run(0, step_s=0.010, tokens_per_s=100, rounds_s=[], accepted=0, drafts=0)
+    drafted = engine_run(3, step_s=0.020, tokens_per_s=150, rounds_s=[0.006], accepted=100, drafts=50)
+    plain.grouped[4], drafted.grouped[4] = plain.grouped[1], drafted.grouped[1]
+    del drafted.grouped[1]
+    speed = speed_report(drafted, plain)["by_concurrency"]
+    assert list(speed) == ["4"] and speed["4"]["measured_speedup"] == pytest.approx(1.5)

@@ -92,7 +92,7 @@ def test_speed_phases_and_the_draft_rounds_vllm_counted(validated_demo):
     CPU left 2 over 2 requests, SmolLM2 on the H200 under MRv2 25 over 16); the engine steps split the cycle."""
     config, report = validated_demo
     speed = report["runs"][0]["speed"]
-    batch, single = speed["eval_batch"], speed["concurrency_1"]
+    batch, single = speed["eval_batch"], speed["by_concurrency"]["1"]
     assert batch["with_draft"]["requests"] == batch["without_draft"]["requests"] == report["prompts"]
     assert batch["with_draft"]["latency_s_p50"] > 0 and batch["measured_speedup"] == report["runs"][0]["speedup"]
     requests = single["with_draft"]["requests"]
