@@ -74,7 +74,8 @@ def reference_draft(folder: Path, config_json: dict) -> Eagle3Draft:
     """A reference-layout export as the training draft (05's renaming undone); every stored tensor must fit."""
     draft, aux_layer_ids, target_vocab_size = draft_fields(config_json)
     model = build_draft(draft, aux_layer_ids, target_vocab_size, attention="sdpa")
-    state = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()}
+    stored = load_file(str(folder / WEIGHTS_FILE))
+    state = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in stored.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(FROZEN):
         raise ValueError(f"{folder} does not fit the draft its config.json describes: missing "

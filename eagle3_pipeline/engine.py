@@ -9,7 +9,6 @@ guard in the script that starts it.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 from collections.abc import Iterator, Mapping

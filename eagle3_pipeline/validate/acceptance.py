@@ -226,7 +226,8 @@ def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing) 
     return results, SourceCounts(counts, request_steps(results, emitted))
 
 
-def in_groups(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int, concurrency: int) -> GroupedRequests:
+def in_groups(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int,
+              concurrency: int) -> GroupedRequests:
     """The prompts `concurrency` at a time, each group one `llm.generate` call: timing, the phase's spec-decode
     counters, the worker's timed drafting rounds and engine steps."""
     timing = Timing(concurrency=concurrency)

@@ -41,7 +41,8 @@ def speed_table(report: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     rows = ["| k | phase (requests) | tokens/s with / without | latency p50 s with / without | target step ms | "
-            "draft step ms | cycle ms | unexplained ms | engine step ms | AL | predicted speed-up | measured speed-up |",
+            "draft step ms | cycle ms | unexplained ms | engine step ms | AL | predicted speed-up | "
+            "measured speed-up |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for phase, speed in [("eval batch", run["speed"]["eval_batch"]), *run["speed"]["by_concurrency"].items()]:
@@ -53,8 +54,8 @@ def speed_table(report: dict) -> str:
                 f"{cell(with_draft['latency_s_p50'], '.3f')} / {cell(without.get('latency_s_p50'), '.3f')} | "
                 f"{cell(speed.get('target_step_ms'), '.2f')} | {cell(speed.get('draft_step_ms'), '.2f')} | "
                 f"{cell(speed.get('cycle_ms'), '.2f')} | {cell(speed.get('unexplained_ms'), '.2f')} | "
-                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | {cell(speed.get('predicted_speedup'), '.2f')} | "
-                f"{cell(speed['measured_speedup'], '.2f')} |")
+                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | "
+                f"{cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
     return "\n".join(rows)
 
 

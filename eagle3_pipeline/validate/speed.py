@@ -136,7 +136,8 @@ class DraftStepTimer:
 
     def start_draft_timing(self) -> None:
         timed = [(drafter(self.model_runner), PROPOSE)]
-        timed += [(self.model_runner, name) for name in ENGINE_STEP_CALLS if callable(getattr(self.model_runner, name, None))]
+        runner = self.model_runner
+        timed += [(runner, name) for name in ENGINE_STEP_CALLS if callable(getattr(runner, name, None))]
         for owner, name in timed:
             if not getattr(getattr(owner, name), "timed", False):
                 setattr(owner, name, _timed(getattr(owner, name), name))
