@@ -2,12 +2,12 @@
 
 Both trainers' drafts load as the training draft (`Eagle3Draft`): speculators' from its checkpoint (speculators'
 loader), ours from 05_export/reference/ (either attention; built from its config.json), each with the verifier's
-frozen tensors, and run the same
-training-time-test unroll, 04's own (`Eagle3Draft.forward`), on the same packed eval rows (our 01 eval split +
-02 states, packed as 04 packs them), in float32, honouring each draft's own config flags (`norm_before_fc`,
-`fc_norm`, `norm_output`, `norm_before_residual` inside the decoder layer). Document-aware masks
-(eagle3_pipeline/train/attention.py) and targets: the verifier's top-1 over the draft vocabulary at the row the step predicts, counted where that
-row is in the same document and loss-masked (eagle3_pipeline/train/draft_model.py, `VerifierTargets`).
+frozen tensors, and run the same training-time-test unroll, 04's own (`Eagle3Draft.forward`), on the same packed
+eval rows (our 01 eval split + 02 states, packed as 04 packs them), in float32, honouring each draft's own config
+flags (`norm_before_fc`, `fc_norm`, `norm_output`, `norm_before_residual` inside the decoder layer). Document-aware
+masks (eagle3_pipeline/train/attention.py) and targets: the verifier's top-1 over the draft vocabulary at the row
+the step predicts, counted where that row is in the same document and loss-masked
+(eagle3_pipeline/train/draft_model.py, `VerifierTargets`).
 
 Per TTT step k it reports
     acc_k        top-1 agreement at step k with the true tokens before it (our 04 metric; teacher forcing)
@@ -77,9 +77,10 @@ def reference_draft(folder: Path, config_json: dict) -> Eagle3Draft:
     stored = load_file(str(folder / WEIGHTS_FILE))
     state = {name.replace("midlayer.", "layers.0.", 1): tensor for name, tensor in stored.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - set(FROZEN):
-        raise ValueError(f"{folder} does not fit the draft its config.json describes: missing "
-                         f"{sorted(set(missing) - set(FROZEN))}, unexpected {sorted(unexpected)}")
+    unfilled = sorted(set(missing) - set(FROZEN))  # the frozen tensors come from the verifier (load_draft)
+    if unexpected or unfilled:
+        raise ValueError(f"{folder} does not fit the draft its config.json describes: missing {unfilled}, "
+                         f"unexpected {sorted(unexpected)}")
     return model
 
 

@@ -54,8 +54,10 @@ def serving_note(config: RunConfig, export_dir: Path) -> str | None:
     speculative = speculative_config(export_dir, config.validate_.num_speculative_tokens[0])
     model_dir = Path(serving_path(config.target))
     settings = {"speculative_config": speculative}
-    unknown_release = mrv2_plans_the_drafts_own_attention() is None
-    return OLDER_RUNNER_NOTE if unknown_release and not on_cpu() and llama_draft_on_mla_target(settings, model_dir) else None
+    release_unknown = mrv2_plans_the_drafts_own_attention() is None
+    if release_unknown and not on_cpu() and llama_draft_on_mla_target(settings, model_dir):
+        return OLDER_RUNNER_NOTE
+    return None
 
 
 # vLLM's server as a module: where vLLM 0.32 keeps it, then the older name (a deprecated alias in 0.32)

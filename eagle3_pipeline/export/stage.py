@@ -201,6 +201,7 @@ def model_card_facts(config: RunConfig, step_dir: Path, metrics: dict | None, fa
 def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
     """README.md: target, data, training config, eval metrics, serving command."""
     config: RunConfig = card["config"]
+    note = serving_note(config, final_dir)
     target = config.target.stand_in and f"stand-in `{config.target.stand_in}`" or f"`{config.target.path}`"
     sources = ", ".join(f"{s.kind}{f' {s.name}' if s.name else ''}{f' (limit {s.limit})' if s.limit else ''}"
                         for s in config.data.sources)
@@ -230,6 +231,5 @@ def model_card(fmt: str, config_json: dict, card: dict, final_dir: Path) -> str:
         "", "## Eval metrics (04_train, teacher forced; acceptance of the (k+1)-th draft token)", *metric_lines,
         "", "## Simulated acceptance (04_train: greedy chain drafting replayed on the eval split's greedy answers, "
         f"up to {config.validate_.max_tokens} tokens per turn; 06_validate measures it in vLLM)", *simulated_lines,
-        "", "## Serving", "```", serving_command(config, final_dir), "```",
-        *([f"({serving_note(config, final_dir)})"] if serving_note(config, final_dir) else []), "",
+        "", "## Serving", "```", serving_command(config, final_dir), "```", *([f"({note})"] if note else []), "",
     ])

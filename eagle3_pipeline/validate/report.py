@@ -117,8 +117,9 @@ def markdown(report: dict) -> str:
                    f"{report['min_acceptance_ratio']} x that."), "", "![acceptance](acceptance.png)", "",
                   "## Speed", "", speed_table(report), "",
                   ("Eval batch: the prompts of each eval source submitted at once; a number: the first prompts in "
-                   "groups of that many (1: one at a time). Latency: time to the first token plus decode time (vLLM's request timestamps). Target step: decode time per "
-                   "token without the draft; draft step: one timed drafting round / k. Cycle: decode time with the "
+                   "groups of that many (1: one at a time). Latency: time to the first token plus decode time "
+                   "(vLLM's request timestamps). Target step: decode time per token without the draft; draft "
+                   "step: one timed drafting round / k. Cycle: decode time with the "
                    "draft / its verifying steps; unexplained: cycle - T - k·D, what the prediction leaves out; engine "
                    "step: the worker's verifying forward, sampling, rejection and next drafting round (median). "
                    "Predicted speed-up: AL·T / (T + k·D) (eagle3_pipeline/validate/speed.py)."), "",

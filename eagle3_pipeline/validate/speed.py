@@ -1,8 +1,9 @@
 """Stage 06: how fast the target decodes with the draft and without it, as a user of the engine sees it.
 
 Each engine of 06 runs the eval prompts twice: all at once (the eval batch, the acceptance run) and then the first
-`validate.latency_prompts` of them in groups of each `validate.latency_concurrency` (1: one at a time). Per phase: generated tokens/s (wall clock) and
-per-request latency (vLLM's own request timestamps: time to the first token plus decode time).
+`validate.latency_prompts` of them in groups of each `validate.latency_concurrency` (1: one at a time). Per phase:
+generated tokens/s (wall clock) and per-request latency (vLLM's own request timestamps: time to the first token plus
+decode time).
 
 At each such concurrency two step times are measured, each on its own:
 - the target step T: the decode time per generated token of the engine without the draft (one target forward,

@@ -12,10 +12,9 @@ from eagle3_pipeline.export import stage as export_stage
 from eagle3_pipeline.stage_io import MANIFEST
 from eagle3_pipeline.train import loop
 from tests.train.fabricate import tiny_run
+from tests.train.test_draft_model import MLA  # draft.attention mla at the tiny size
 
-# draft.attention mla at the tiny size (tests/train/test_draft_model.py's), exported in the reference layout only
-MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-       "v_head_dim": 12}
+# (draft section, exported format): an MLA draft exports the reference layout only
 LAYOUTS = {"reference": ({}, "speculators"), "eagle31": ({"fc_norm": True, "norm_output": True}, "speculators"),
            "reference-layout-folder": ({}, "reference"), "mla": (MLA, "reference")}
 
