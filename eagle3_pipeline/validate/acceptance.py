@@ -37,7 +37,7 @@ from eagle3_pipeline.validate.request_steps import (
     recorded_steps,
     request_steps,
 )
-from eagle3_pipeline.validate.speed import DRAFT_TIMING, ENGINE_STEP_CALLS, PROPOSE, START_DRAFT_TIMING, Timing
+from eagle3_pipeline.validate.speed import ENGINE_STEP_CALLS, START_STEP_TIMING, STEP_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, loaded_parameters, skipped_parameters
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 
@@ -129,16 +129,24 @@ NEAR_TIE, BATCH_VARIANCE, CHANGED_BY_DRAFT = "bf16 near-tie", "the target's own 
 
 @dataclass
 class GroupedRequests(Counted):
-    """The prompts run in groups of one concurrency: their timing, spec-decode counts and the worker's timed calls."""
+    """One timed phase (the eval batch, or the prompts in groups of one concurrency): its timing, spec-decode counts,
+    the worker's timed calls and each group's requests' engine steps."""
 
     timing: Timing
     counts: AcceptanceCounts
-    worker_s: dict[str, list[float]]  # seconds of each timed worker call by name (speed.py); empty without a draft
+    worker_s: dict[str, list[float]]  # seconds of each timed worker call in the decode steps, by name (speed.py)
+    groups: list[list[RequestSteps]]  # per `llm.generate` call (submitted at once), each request's steps
 
     @property
-    def draft_rounds_s(self) -> list[float]:
-        """Seconds of each drafting round (k draft steps)."""
-        return self.worker_s.get(PROPOSE, [])
+    def decode_steps(self) -> list[int]:
+        """Per group: its engine steps once every request of it has its first token (its prefills done), counted
+        as the steps its slowest request still emitted at: one per token without a draft, one per verifying step
+        with it. At one request a group: generated tokens - 1, or its verifying steps."""
+        steps = []
+        for group in filter(None, self.groups):
+            prefilled = max(r.step_indices[0] for r in group)
+            steps.append(max(sum(index > prefilled for index in r.step_indices) for r in group))
+        return steps
 
     @property
     def engine_steps_s(self) -> list[float]:
@@ -161,6 +169,13 @@ class EngineRun(RequestCounted):
     skipped_parameters: list[str] = field(default_factory=list)
     ignored_tensors: list[str] = field(default_factory=list)
     shared_parameters: list[str] = field(default_factory=list)
+    batch_worker_s: dict[str, list[float]] = field(default_factory=dict)  # the worker's timed decode steps, batch
+
+    @property
+    def batch_phase(self) -> GroupedRequests:
+        """The eval batch as a timed phase: each eval source's prompts were one group."""
+        return GroupedRequests(self.batch, self.counts, self.batch_worker_s,
+                               [source.requests for source in self.by_source.values()])
 
     @property
     def generated_tokens(self) -> int:
@@ -185,8 +200,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
 
     settings = {"dtype": config.validate_.engine_dtype} if config.validate_.engine_dtype else {}
     if k:
-        settings |= {"speculative_config": speculative_config(export_dir, k), "worker_extension_cls": WORKER_EXTENSION}
-    llm = start_engine(config.target, model_dir, disable_log_stats=False, **settings)
+        settings["speculative_config"] = speculative_config(export_dir, k)
+    llm = start_engine(config.target, model_dir, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION,
+                       **settings)
     try:
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
         run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))
@@ -198,7 +214,8 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         for source in dict.fromkeys(p.source for p in prompts):
             indices = [i for i, p in enumerate(prompts) if p.source == source]
             requests = [request(prompts[i].token_ids, prompts[i].images, vision) for i in indices]
-            results, run.by_source[source] = generate_counted(llm, requests, params, k, run.batch)
+            results, run.by_source[source] = generate_counted(llm, requests, params, k, run.batch,
+                                                              run.batch_worker_s)
             for i, result in zip(indices, results):
                 run.outputs[i] = list(result.outputs[0].token_ids)
         run.counts = sum((c.counts for c in run.by_source.values()), AcceptanceCounts(k))
@@ -214,14 +231,18 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         gc.collect()
 
 
-def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing) -> tuple[list, SourceCounts]:
-    """`llm.generate` on the requests at once, timed into `timing`: its RequestOutputs, and vLLM's spec-decode
-    counts over them with each request's engine steps."""
+def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing,
+                     worker_s: dict[str, list[float]]) -> tuple[list, SourceCounts]:
+    """`llm.generate` on the requests at once, timed into `timing` and, in the worker, into `worker_s` (its decode
+    steps): its RequestOutputs, and vLLM's spec-decode counts over them with each request's engine steps."""
     before = read_counters(llm.get_metrics(), k)
+    llm.collective_rpc(START_STEP_TIMING)
     with recorded_steps(llm) as emitted:
         started = time.perf_counter()
         results = llm.generate(requests, params, use_tqdm=False)
         timing.add(results, time.perf_counter() - started)
+    for name, seconds in llm.collective_rpc(STEP_TIMING)[0].items():  # tensor parallel: ranks step alike; rank 0's
+        worker_s.setdefault(name, []).extend(seconds)
     counts = read_counters(llm.get_metrics(), k) - before
     return results, SourceCounts(counts, request_steps(results, emitted))
 
@@ -229,19 +250,14 @@ def generate_counted(llm, requests: list[dict], params, k: int, timing: Timing) 
 def in_groups(llm, vision: Vision | None, prompts: list[EvalPrompt], params, k: int,
               concurrency: int) -> GroupedRequests:
     """The prompts `concurrency` at a time, each group one `llm.generate` call: timing, the phase's spec-decode
-    counters, the worker's timed drafting rounds and engine steps."""
-    timing = Timing(concurrency=concurrency)
-    before = read_counters(llm.get_metrics(), k)
-    if k:
-        llm.collective_rpc(START_DRAFT_TIMING)
+    counters, the worker's timed engine steps and drafting rounds."""
+    phase = GroupedRequests(Timing(concurrency=concurrency), AcceptanceCounts(k), {}, [])
     for first in range(0, len(prompts), concurrency):
         group = [request(prompt.token_ids, prompt.images, vision) for prompt in prompts[first:first + concurrency]]
-        started = time.perf_counter()
-        results = llm.generate(group, params, use_tqdm=False)
-        timing.add(results, time.perf_counter() - started)
-    worker_s = llm.collective_rpc(DRAFT_TIMING)[0] if k else {}  # tensor parallel: every rank steps alike; rank 0's
-    after = read_counters(llm.get_metrics(), k)
-    return GroupedRequests(timing, after - before, worker_s)
+        _, counted = generate_counted(llm, group, params, k, phase.timing, phase.worker_s)
+        phase.counts += counted.counts
+        phase.groups.append(counted.requests)
+    return phase
 
 
 def probe_divergences(llm, vision: Vision | None, prompts: list[EvalPrompt], plain: list[list[int]],

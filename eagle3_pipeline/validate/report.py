@@ -36,26 +36,27 @@ def acceptance_table(report: dict) -> str:
 
 
 def speed_table(report: dict) -> str:
-    """Tokens/s and median latency with and without the draft per phase, the step times and the speed-ups."""
-    def cell(value, spec: str) -> str:
+    """Per phase: tokens/s and median latency with and without the draft, the step costs the speed model adds up,
+    its cycle against the measured one, and the predicted against the measured speed-up."""
+    def cell(value, spec: str = ".2f") -> str:
         return "-" if value is None else format(value, spec)
 
-    rows = ["| k | phase (requests) | tokens/s with / without | latency p50 s with / without | target step ms | "
-            "draft step ms | cycle ms | unexplained ms | engine step ms | AL | predicted speed-up | "
-            "measured speed-up |",
+    rows = ["| k | phase (requests) | tokens/s with / without | latency p50 s with / without | T ms | "
+            "verify forward ms | D ms | sampling ms | outside ms | cycle ms model / measured | AL | "
+            "speed-up predicted / measured |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for phase, speed in [("eval batch", run["speed"]["eval_batch"]), *run["speed"]["by_concurrency"].items()]:
             with_draft, without = speed["with_draft"], speed["without_draft"] or {}
-            al = speed.get("mean_acceptance_length", run["mean_acceptance_length"])
             rows.append(
                 f"| {run['num_speculative_tokens']} | {phase} ({with_draft['requests']}) | "
                 f"{with_draft['tokens_per_s']:.1f} / {cell(without.get('tokens_per_s'), '.1f')} | "
                 f"{cell(with_draft['latency_s_p50'], '.3f')} / {cell(without.get('latency_s_p50'), '.3f')} | "
-                f"{cell(speed.get('target_step_ms'), '.2f')} | {cell(speed.get('draft_step_ms'), '.2f')} | "
-                f"{cell(speed.get('cycle_ms'), '.2f')} | {cell(speed.get('unexplained_ms'), '.2f')} | "
-                f"{cell(speed.get('engine_step_ms'), '.2f')} | {al:.3f} | "
-                f"{cell(speed.get('predicted_speedup'), '.2f')} | {cell(speed['measured_speedup'], '.2f')} |")
+                f"{cell(speed['target_step_ms'])} | {cell(speed['verify_forward_ms'])} | "
+                f"{cell(speed['draft_step_ms'])} | {cell(speed['sample_ms'])} | {cell(speed['outside_step_ms'])} | "
+                f"{cell(speed['model_cycle_ms'])} / {cell(speed['cycle_ms'])} | "
+                f"{speed['mean_acceptance_length']:.3f} | "
+                f"{cell(speed['predicted_speedup'])} / {cell(speed['measured_speedup'])} |")
     return "\n".join(rows)
 
 
@@ -118,11 +119,12 @@ def markdown(report: dict) -> str:
                   "## Speed", "", speed_table(report), "",
                   ("Eval batch: the prompts of each eval source submitted at once; a number: the first prompts in "
                    "groups of that many (1: one at a time). Latency: time to the first token plus decode time "
-                   "(vLLM's request timestamps). Target step: decode time per token without the draft; draft "
-                   "step: one timed drafting round / k. Cycle: decode time with the "
-                   "draft / its verifying steps; unexplained: cycle - T - k·D, what the prediction leaves out; engine "
-                   "step: the worker's verifying forward, sampling, rejection and next drafting round (median). "
-                   "Predicted speed-up: AL·T / (T + k·D) (eagle3_pipeline/validate/speed.py)."), "",
+                   "(vLLM's request timestamps). T: decode time per token without the draft. The model's cycle: "
+                   "the verifying forward + k·D (D: a timed drafting round / k) + sampling and rejection (the "
+                   "worker's medians with the draft) + the time outside the worker's step (T less the worker's step "
+                   "without the draft); measured cycle: decode time with the draft / its verifying steps (vLLM's "
+                   "counter). Predicted speed-up: each group's first-token latency and one step per token without "
+                   "the draft, one cycle per AL tokens with it (eagle3_pipeline/validate/speed.py)."), "",
                   "## Mean acceptance length per eval source", "", benchmark_table(report), "",
                   ("Pooled: 1 + accepted / drafts over all requests (vLLM's spec-decode counters). Mean of "
                    "per-request: each request's tokens from verifying steps / its verifying steps, averaged over "

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RequestSteps:
-    """The tokens vLLM emitted for one request at each engine step that emitted any, the prefill's first."""
+    """The tokens vLLM emitted for one request at each engine step that emitted any, the prefill's first, and those
+    steps' indices among the engine steps of its `llm.generate` call."""
 
     tokens_per_step: list[int]
+    step_indices: list[int] = ()
 
     @property
     def verify_steps(self) -> int:
@@ -61,18 +63,21 @@ def mean_request_acceptance_length(requests: list[RequestSteps]) -> float | None
 
 
 @contextlib.contextmanager
-def recorded_steps(llm) -> Iterator[dict[str, list[int]]]:
-    """Within the block: {request id (`RequestOutput.request_id`): tokens emitted per engine step}, as vLLM's
-    output processor receives each step's outputs (the same in vLLM 0.26 and 0.32)."""
+def recorded_steps(llm) -> Iterator[dict[str, list[tuple[int, int]]]]:
+    """Within the block: {request id (`RequestOutput.request_id`): (engine step index, tokens emitted) per engine
+    step that emitted any for it}, as vLLM's output processor receives each step's outputs (the same in vLLM 0.26
+    and 0.32; one call per engine step, counted from 0)."""
     processor = llm.llm_engine.output_processor
     process_outputs = processor.process_outputs
-    emitted: dict[str, list[int]] = defaultdict(list)
+    emitted: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    step = [0]
 
     def recording(engine_core_outputs, *args, **kwargs):
         for output in engine_core_outputs:
             state = processor.request_states.get(output.request_id)  # keyed by vLLM's internal request id
             if output.new_token_ids and state is not None:
-                emitted[state.external_req_id].append(len(output.new_token_ids))
+                emitted[state.external_req_id].append((step[0], len(output.new_token_ids)))
+        step[0] += 1
         return process_outputs(engine_core_outputs, *args, **kwargs)
 
     processor.process_outputs = recording
@@ -82,14 +87,15 @@ def recorded_steps(llm) -> Iterator[dict[str, list[int]]]:
         del processor.process_outputs  # the class's method again
 
 
-def request_steps(results: list, emitted: dict[str, list[int]]) -> list[RequestSteps]:
+def request_steps(results: list, emitted: dict[str, list[tuple[int, int]]]) -> list[RequestSteps]:
     """Each finished request's steps, in the order of `results` (`llm.generate`'s RequestOutputs)."""
     steps = []
     for result in results:
-        tokens = emitted.get(result.request_id, [])
+        pairs = emitted.get(result.request_id, [])
+        indices, tokens = [index for index, _ in pairs], [count for _, count in pairs]
         generated = len(result.outputs[0].token_ids)
         if sum(tokens) != generated:
             raise RuntimeError(f"request {result.request_id}: vLLM's step outputs held {sum(tokens)} tokens, its "
                                f"output {generated}: this vLLM hands the output processor its steps otherwise")
-        steps.append(RequestSteps(tokens))
+        steps.append(RequestSteps(tokens, indices))
     return steps

@@ -10,8 +10,9 @@
               step-0 accuracy), a parameter vLLM did not load, or a greedy output the draft changed where the
               target's margin is neither a bf16 near-tie (validate.max_tie_margin) nor within the target's own
               batch variance (the largest margin it flips a token at alone, one prompt at a time) fails the stage.
-    speed     tokens/s and latency with and without the draft, at the eval batch and at concurrency 1, the target's
-              and the draft's step times and the speed-up they predict beside the measured one (speed.py).
+    speed     tokens/s and latency with and without the draft, at the eval batch and at each of
+              validate.latency_concurrency, the parts of an engine step and the speed-up they predict beside the
+              measured one (speed.py).
 
 Writes report.json, report.md, acceptance.png; the manifest only when everything passed (a failed check
 stays failed on rerun). `check` is the static comparison alone, on any folder or spec.json.

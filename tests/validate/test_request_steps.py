@@ -70,11 +70,11 @@ def test_recorded_steps_counts_each_steps_tokens_per_request_and_passes_the_outp
         engine.process_outputs(step(("0-ab12cd34", 3), ("1-ef56ab78", 1)))
         engine.process_outputs(step(("0-ab12cd34", 0), ("1-ef56ab78", 4)))  # nothing for 0 at this step
         engine.process_outputs(step(("gone-12345678", 2)))  # a request the processor no longer tracks
-    assert emitted == {"0": [1, 3], "1": [1, 4]} and processor.processed == [1, 2, 2, 1]
+    assert emitted == {"0": [(0, 1), (1, 3)], "1": [(1, 1), (2, 4)]} and processor.processed == [1, 2, 2, 1]
     assert "process_outputs" not in vars(processor)  # the class's method again
 
     results = [SimpleNamespace(request_id=i, outputs=[SimpleNamespace(token_ids=[7] * n)]) for i, n in (("0", 4), ("1", 5))]
-    assert request_steps(results, emitted) == [RequestSteps([1, 3]), RequestSteps([1, 4])]
+    assert request_steps(results, emitted) == [RequestSteps([1, 3], [0, 1]), RequestSteps([1, 4], [1, 2])]
     results[1].outputs[0].token_ids.append(7)
     with pytest.raises(RuntimeError, match="request 1: vLLM's step outputs held 5 tokens, its output 6"):
         request_steps(results, emitted)
