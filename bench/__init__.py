@@ -10,6 +10,7 @@ each bench's question, hardware, output, latest result and command, and the reti
     gpu_pipeline         every stage on a GPU node, per stand-in, capture path and model runner
     capture_overhead     02's capture against the same engine's plain prefill
     stream               stream mode against offline on one machine
+    speed_model          06's speed model against the speed-up vLLM measures, run again and again or read from reports
     train_throughput     04's step at the Kimi draft's shape against speculators' step
     train_scaling        04 on several GPUs against one: curves, tokens/s per GPU, cross-count resume
 """

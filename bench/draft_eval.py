@@ -65,7 +65,7 @@ def load_draft(folder: Path, verifier_dir: Path | None = None, weight_prefix: st
     with torch.no_grad():
         model.embed_tokens.weight.copy_(verifier.embed_tokens)
         model.verifier_norm.weight.copy_(verifier.norm)
-        model.verifier_lm_head.weight.copy_(verifier.lm_head[model.t2d])
+        model.verifier_lm_head.weight.copy_(verifier.lm_head if model.t2d is None else verifier.lm_head[model.t2d])
     model.verifier_norm.variance_epsilon = verifier.norm_eps
     return model.float().eval()
 

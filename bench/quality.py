@@ -124,10 +124,14 @@ def train_ours(args, clock: Clock, shared: Path, name: str, seed: int, extra: li
     overrides.insert(0, f"run_dir={run_dir}")
     record = cached(run_dir / "bench_train.json", args.force_train)
     if record is None:
-        for stage in ("01_data", "02_hidden_states", "03_vocab"):  # the shared stages, linked
+        # the shared stages, linked; 03 built here for a draft vocabulary of its own (the full-vocabulary lever)
+        own_vocab = resolved.draft.draft_vocab_size != load_config(args.config).draft.draft_vocab_size
+        for stage in ("01_data", "02_hidden_states") + (() if own_vocab else ("03_vocab",)):
             (run_dir / stage).parent.mkdir(parents=True, exist_ok=True)
             if not (run_dir / stage).exists():
                 (run_dir / stage).symlink_to(os.path.relpath(shared / stage, run_dir))
+        if own_vocab:
+            run_logged(stage_cmd("03_build_vocab_map.py", args.config, overrides), run_dir / "logs" / "03.log")
         force = ["--force"] if args.force_train else []
         seconds = run_logged(stage_cmd("04_train.py", args.config, overrides, *force), run_dir / "logs" / "04.log")
         cpu_s = LAST_CPU_S[0]

@@ -67,6 +67,8 @@ LEVERS: dict[str, list[str]] = {
     "mla": [*MLA_HEADS, "draft.q_lora_rank=64"],
     "mla-eagle3.1": [*MLA_HEADS, "draft.q_lora_rank=64", "draft.fc_norm=true", "draft.norm_output=true",
                      "train.standardize_aux=false"],
+    # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03
+    "full-vocab": ["draft.draft_vocab_size={target_vocab}"],
 }
 SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()
@@ -131,7 +133,7 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
             break
         if lever not in LEVERS:
             raise SystemExit(f"--levers {lever}: not one of {', '.join(LEVERS)}")
-        overrides = [o.format(warmup=max(1, largest // 20)) for o in LEVERS[lever]]
+        overrides = [o.format(**lever_values(args, largest, LEVERS[lever])) for o in LEVERS[lever]]
         try:
             load_config(args.config, overrides)
         except ConfigError as err:  # a lever this checkout does not have
@@ -140,6 +142,18 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
         jobs += [(f"{lever}-{largest}-s{seed}", "ours", largest, seed, overrides)
                  for seed in asked.get(lever, args.lever_seeds)]
     return jobs
+
+
+def lever_values(args, largest: int, lever: list[str]) -> dict:
+    """What a lever's settings name in braces: {warmup} (5% of the largest budget), {target_vocab} (the target's
+    vocabulary size, read from the target only for a lever that names it)."""
+    values = {"warmup": max(1, largest // 20)}
+    if any("{target_vocab}" in setting for setting in lever):
+        from eagle3_pipeline.config import load_config
+        from eagle3_pipeline.target import target_facts
+
+        values["target_vocab"] = target_facts(load_config(args.config, []))["vocab_size"]
+    return values
 
 
 def lever_seeds(item: str, default: list[int]) -> tuple[str, list[int]]:

@@ -21,7 +21,8 @@ from bench.harness import parser, run_logged, save, stage_cmd, versions
 from eagle3_pipeline.config import load_config
 
 COLUMNS = ("mean_acceptance_length", "target_step_ms", "verify_forward_ms", "draft_step_ms", "sample_ms",
-           "outside_step_ms", "measured_outside_step_ms", "fixed_ms", "plain_fixed_ms", "model_cycle_ms", "cycle_ms",
+           "outside_step_ms", "measured_outside_step_ms", "fixed_ms", "plain_fixed_ms", "first_draft_round_ms",
+           "model_cycle_ms", "cycle_ms",
            "predicted_speedup", "measured_speedup")
 
 
@@ -55,7 +56,8 @@ def markdown(result: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [f"# 06's speed model against vLLM's measured speed-up ({result['machine']})", "",
-             "    " + result["command"], "", "| report | k | phase (requests) | AL | T ms | verify forward ms | D ms | sampling ms | "
+             "    " + result["command"], "",
+             "| report | k | phase (requests) | AL | T ms | verify forward ms | D ms | sampling ms | "
              "outside ms without / with the draft | fixed ms with / without | cycle ms model / measured | "
              "speed-up predicted / measured | miss |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:

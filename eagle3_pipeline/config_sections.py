@@ -313,7 +313,9 @@ class DraftConfig(Section):
     num_key_value_heads: int = Field(ge=1, description="key/value heads; divides num_attention_heads")
     head_dim: int = Field(ge=1, description="128 for Kimi: heads x head_dim may exceed hidden_size")
     intermediate_size: int = Field(ge=1, description="MLP width of the decoder layer (18432 for Kimi)")
-    draft_vocab_size: int = Field(ge=1, description="tokens the draft predicts (03 picks the most frequent)")
+    draft_vocab_size: int = Field(ge=1, description=(
+        "tokens the draft predicts (03 picks the most frequent); the target's vocabulary size gives the full "
+        "vocabulary: the draft's ids are the target's, exported without d2t and t2d"))
     rope_theta: float = Field(1e6, gt=0, description="rotary embedding base")
     rope_scaling: dict[str, Any] | None = Field(None, description="HF-style rope scaling; null = none (reference)")
     max_position_embeddings: int = Field(ge=1, description="at least the serving max_model_len")

@@ -86,8 +86,11 @@ def served_turns(samples: list[dict]) -> list[ServedTurn]:
     return turns
 
 
-def target_proposals(top1: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """The draft's top-1 per step and row (draft vocab ids, -1 where a step has no row) as target token ids."""
+def target_proposals(top1: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+    """The draft's top-1 per step and row (draft vocab ids, -1 where a step has no row) as target token ids (a
+    draft over the target's whole vocabulary has no d2t: its ids are the target's)."""
+    if d2t is None:
+        return top1
     return torch.where(top1 >= 0, top1 + d2t[top1.clamp(min=0)], -1)
 
 

@@ -38,7 +38,13 @@ from eagle3_pipeline.validate.request_steps import (
     request_steps,
 )
 from eagle3_pipeline.validate.speed import ENGINE_STEP_CALLS, START_STEP_TIMING, STEP_TIMING, Timing
-from eagle3_pipeline.validate.weights_probe import REPORT, flagged_norms, loaded_parameters, skipped_parameters
+from eagle3_pipeline.validate.weights_probe import (
+    REPORT,
+    flagged_norms,
+    left_at_init,
+    loaded_parameters,
+    skipped_parameters,
+)
 from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 
 
@@ -207,8 +213,8 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
         run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))
         if k:
-            norms = flagged_norms(json.loads((export_dir / "config.json").read_text()))
-            record_weights(run, llm.collective_rpc(REPORT), norms)
+            config_json = json.loads((export_dir / "config.json").read_text())
+            record_weights(run, llm.collective_rpc(REPORT), flagged_norms(config_json), left_at_init(config_json))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
         vision = Vision.of_engine(llm, model_dir)
         for source in dict.fromkeys(p.source for p in prompts):
@@ -313,12 +319,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def record_weights(run: EngineRun, reports: list[dict], required: list[str]) -> None:
+def record_weights(run: EngineRun, reports: list[dict], required: list[str], initialised: list[str] = ()) -> None:
     """Parameters the workers loaded, and those any worker left unloaded (tensor parallel: each worker loads its
     own shard), `required` ones (the norms the export's config turns on) included even where vLLM did not build
-    them."""
+    them, `initialised` ones (`left_at_init`) not."""
     for report in reports:
-        skipped, ignored = skipped_parameters(report, required)
+        skipped, ignored = skipped_parameters(report, required, initialised)
         run.loaded_parameters = sorted(set(run.loaded_parameters) | set(loaded_parameters(report)))
         run.skipped_parameters = sorted(set(run.skipped_parameters) | set(skipped))
         run.ignored_tensors = sorted(set(run.ignored_tensors) | set(ignored))

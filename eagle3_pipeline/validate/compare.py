@@ -111,6 +111,12 @@ def extra_tensor(name: str, got: dict, missing: dict) -> Difference:
     where = f"tensor {name}"
     if name == EMBED:
         return Difference(OPTIONAL, where, "present: vLLM uses it (or shares the target's when identical)")
+    if name == "t2d":
+        return Difference(COSMETIC, where, "present: vLLM skips t2d when it loads")
+    if name == "d2t":
+        return Difference(BREAKING, where, f"unexpected {fmt_tensor(got)}: the draft predicts the target's whole "
+                                           "vocabulary, where vLLM builds no draft-to-target map, and its loader "
+                                           "refuses this tensor")
     return Difference(BREAKING, where, f"unexpected {fmt_tensor(got)}: vLLM's loader has no parameter of this "
                                        f"name and refuses the checkpoint{renamed_hint(got, missing, 'is missing with its shape and dtype')}")
 

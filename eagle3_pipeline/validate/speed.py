@@ -36,6 +36,7 @@ STEP_TIMING = "step_timing"
 # sampling, rejection and, in vLLM's runners, the next drafting round) and the drafter's round within the second
 VERIFY_FORWARD, SAMPLE_AND_DRAFT, PROPOSE = "execute_model", "sample_tokens", "propose"
 ENGINE_STEP_CALLS = (VERIFY_FORWARD, SAMPLE_AND_DRAFT)
+IN_PREFILL = "@prefill"  # a call in a step that prefills is kept apart under its name and this suffix
 
 _intervals: dict[str, list[tuple]] = {}  # name -> (start mark, end mark) per timed call in this worker process
 _recording = [False]
@@ -181,6 +182,7 @@ def phase_speed(group, plain_group, k: int) -> dict:
         "engine_steps_timed": len(group.engine_steps_s),
         # per group, before its decode span (prefills, request handling and, with the draft, its first round)
         "fixed_ms": ms(fixed_time(group)),
+        "first_draft_round_ms": ms(mean_or_none(group.worker_s.get(PROPOSE + IN_PREFILL, []))),  # in a prefill step
         "plain_fixed_ms": ms(fixed_time(plain_group)) if plain_group else None,
         # without the draft: the decode step (wall time) and the worker's step in it
         "target_step_ms": ms(target_step),
@@ -204,8 +206,8 @@ def phase_speed(group, plain_group, k: int) -> dict:
 class StepTimer:
     """Mixed into vLLM's worker class (06's worker extension): times the model runner's decode steps and, in an
     engine with a draft, the drafter's `propose` calls in them, through `llm.collective_rpc(START_STEP_TIMING)` ...
-    `llm.collective_rpc(STEP_TIMING)`. A step that prefills (a prompt or a chunk of one) is left out: its time is
-    in the requests' first-token latency, which the model takes as a whole."""
+    `llm.collective_rpc(STEP_TIMING)`. A step that prefills (a prompt or a chunk of one) is kept apart (names with
+    IN_PREFILL): its time is in the group's fixed time, which the model takes as a whole."""
 
     def start_step_timing(self) -> None:
         runner = self.model_runner
@@ -221,7 +223,7 @@ class StepTimer:
 
     def step_timing(self) -> dict[str, list[float]]:
         """Seconds of each timed call since `start_step_timing`, by name (`execute_model`, `sample_tokens`,
-        `propose`); stops recording."""
+        `propose`; in a prefill step `execute_model@prefill` and so on); stops recording."""
         import torch
 
         _recording[0] = False
@@ -256,7 +258,8 @@ def is_decode_step(scheduler_output) -> bool:
     tokens it verifies. A prefill or a prefill chunk schedules more."""
     verified = scheduler_output.scheduled_spec_decode_tokens or {}
     scheduled = scheduler_output.num_scheduled_tokens
-    return bool(scheduled) and all(tokens == 1 + len(verified.get(request, ())) for request, tokens in scheduled.items())
+    return bool(scheduled) and all(tokens == 1 + len(verified.get(request, ()))
+                                   for request, tokens in scheduled.items())
 
 
 def _timed(call, name: str):
@@ -264,11 +267,11 @@ def _timed(call, name: str):
     def timed_call(*args, **kwargs):
         if name == VERIFY_FORWARD:  # the step begins: execute_model(scheduler_output, ...)
             _decode_step[0] = is_decode_step(kwargs.get("scheduler_output", args[0] if args else None))
-        if not (_recording[0] and _decode_step[0]):
+        if not _recording[0]:
             return call(*args, **kwargs)
         start = _mark()
         result = call(*args, **kwargs)
-        _intervals.setdefault(name, []).append((start, _mark()))
+        _intervals.setdefault(name if _decode_step[0] else name + IN_PREFILL, []).append((start, _mark()))
         return result
 
     timed_call.timed = True

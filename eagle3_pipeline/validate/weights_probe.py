@@ -104,18 +104,29 @@ def flagged_norms(config_json: dict) -> list[str]:
             + [f"model.fc_norm.{i}.weight" for i in range(len(aux)) if draft.fc_norm])
 
 
+def left_at_init(config_json: dict) -> list[str]:
+    """The vLLM parameters an export rightly leaves to their initial values: the draft-to-target map of a draft over
+    the target's whole vocabulary, which vLLM before 0.32 builds for every draft at zeros (the identity, as such a
+    draft needs) and 0.32 and later do not build."""
+    draft, _, target_vocab = draft_fields(config_json)
+    return ["draft_id_to_target_id"] if draft.draft_vocab_size == target_vocab else []
+
+
 def loaded_parameters(report: dict) -> list[str]:
     """The draft parameters vLLM's loader filled from the export in its last load (none before a load)."""
     return report["loads"][-1]["loaded"] if report["loads"] else []
 
 
-def skipped_parameters(report: dict, required: list[str] = ()) -> tuple[list[str], list[str]]:
+def skipped_parameters(report: dict, required: list[str] = (),
+                       initialised: list[str] = ()) -> tuple[list[str], list[str]]:
     """(draft parameters neither loaded nor shared from the target, `required` ones (`flagged_norms`) among
-    them whether vLLM built them or not; received tensors vLLM dropped knowingly)."""
+    them whether vLLM built them or not, `initialised` ones (`left_at_init`) not; received tensors vLLM dropped
+    knowingly)."""
     if not report["loads"]:
         return ["<no Eagle-3 draft was loaded: is the export's architecture one vLLM maps to it?>"], []
     load = report["loads"][-1]
-    skipped = sorted((set(load["parameters"]) | set(required)) - set(loaded_parameters(report)) - set(report["shared"]))
+    built = set(load["parameters"]) | set(required)
+    skipped = sorted(built - set(loaded_parameters(report)) - set(report["shared"]) - set(initialised))
     ignored = sorted(name for name in load["received"] if name.endswith("t2d"))
     return skipped, ignored
 

@@ -226,3 +226,33 @@ def test_eagle31_export_round_trip_and_static_check(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert ("| breaking | tensor fc_norm.2.weight | missing [64] bfloat16: vLLM does not check it and runs the norm "
             "with its initial weight of ones |") in result.stdout
+
+
+def test_a_draft_over_the_whole_vocabulary_exports_without_vocab_maps(tmp_path):
+    """draft.draft_vocab_size = the target's vocabulary: 03's map is the identity, speculators' draft holds no maps,
+    and neither folder stores d2t or t2d (vLLM builds no map for an equal vocabulary and its loader refuses a d2t
+    there); 06's static check passes both, and names a d2t put back."""
+    from eagle3_pipeline.vocab import load_draft_vocab
+    from tests.train.fabricate import TINY
+
+    config, path = tiny_run(tmp_path, draft={"draft_vocab_size": TINY["vocab"]})
+    d2t, t2d = load_draft_vocab(config.run_dir / "03_vocab")
+    assert not d2t.any() and t2d.all()
+    loop.run(config)
+    export.run(config)
+    manifest = read_manifest(config.run_dir / "05_export")
+    for fmt in ("reference", "speculators"):
+        folder = config.run_dir / "05_export" / fmt
+        tensors = load_file(str(folder / "model.safetensors"))
+        assert not {"d2t", "t2d"} & set(tensors) and tensors["lm_head.weight"].shape[0] == TINY["vocab"], fmt
+        assert static_differences(folder, expected_spec(config, fmt, manifest), 2048) == [], fmt
+    broken = tmp_path / "broken"
+    shutil.copytree(config.run_dir / "05_export" / "reference", broken)
+    tensors = load_file(str(broken / "model.safetensors")) | {"d2t": torch.zeros(TINY["vocab"], dtype=torch.int64),
+                                                              "t2d": torch.ones(TINY["vocab"], dtype=torch.bool)}
+    save_file(tensors, str(broken / "model.safetensors"))
+    result = run_python("06_validate.py", "--config", str(path), "--check", str(broken))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("| breaking | tensor d2t | unexpected [512] int64: the draft predicts the target's whole vocabulary, "
+            "where vLLM builds no draft-to-target map, and its loader refuses this tensor |") in result.stdout
+    assert "| cosmetic | tensor t2d | present: vLLM skips t2d when it loads |" in result.stdout

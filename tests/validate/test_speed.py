@@ -83,15 +83,17 @@ def test_step_timer_times_each_propose_and_engine_step_while_recording(attribute
     proposer = getattr(worker.model_runner, attribute)
     StepTimer.start_step_timing(worker)
     StepTimer.start_step_timing(worker)  # wraps once
-    assert proposer.propose(1, 2) == (1, 2)  # outside an engine step: not timed
+    assert proposer.propose(1, 2) == (1, 2)
     worker.model_runner.execute_model(DECODE)
     worker.model_runner.sample_tokens()
-    worker.model_runner.execute_model(scheduler_output=PREFILL)  # a prefill step: not timed
+    worker.model_runner.execute_model(scheduler_output=PREFILL)  # a prefill step: kept apart
     worker.model_runner.sample_tokens()
     assert proposer.calls == 3
     seconds = StepTimer.step_timing(worker)
-    assert sorted(seconds) == ["execute_model", "propose", "sample_tokens"]
+    assert sorted(seconds) == ["execute_model", "execute_model@prefill", "propose", "propose@prefill",
+                               "sample_tokens", "sample_tokens@prefill"]
     assert [len(seconds[name]) for name in ("execute_model", "sample_tokens", "propose")] == [1, 1, 1]
+    assert len(seconds["propose@prefill"]) == 2  # the call before any step, and the prefill step's
     assert 0.015 < seconds["propose"][0] < 0.5
     assert 0.005 < seconds["execute_model"][0] < 0.5 and seconds["sample_tokens"][0] >= seconds["propose"][0]
     single = GroupedRequests(Timing(concurrency=1), AcceptanceCounts(3), seconds, [])

@@ -14,7 +14,7 @@ from eagle3_pipeline.export.format import read_spec, reference_spec
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.validate import stage
 from eagle3_pipeline.validate.compare import BREAKING, COSMETIC, OPTIONAL, check_vocab_maps, static_differences
-from eagle3_pipeline.validate.weights_probe import skipped_parameters
+from eagle3_pipeline.validate.weights_probe import left_at_init, skipped_parameters
 from tests.conftest import run_python
 from tests.subprocess_site import REFUSAL, without_speculators
 from tests.validate.runs import trained_tiny_run
@@ -167,6 +167,19 @@ def test_skipped_parameters_from_a_load_record():
     required = [f"model.fc_norm.{i}.weight" for i in range(2)]
     assert skipped_parameters(report, required)[0] == [*required, "model.layers.0.mlp.down_proj.weight"]
     assert skipped_parameters({"loads": [], "shared": []})[0][0].startswith("<no Eagle-3 draft was loaded")
+    # vLLM 0.26 builds a draft-to-target map for every draft: a whole-vocabulary export leaves it at zeros, rightly
+    report["loads"][0]["parameters"].append("draft_id_to_target_id")
+    assert skipped_parameters(report)[0] == ["draft_id_to_target_id", "model.layers.0.mlp.down_proj.weight"]
+    assert skipped_parameters(report, initialised=["draft_id_to_target_id"])[0] == [
+        "model.layers.0.mlp.down_proj.weight"]
+
+
+def test_only_a_whole_vocabulary_draft_leaves_vllms_map_at_its_initial_zeros():
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "vocab_size": 512,
+              "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+    assert left_at_init(config | {"draft_vocab_size": 512}) == ["draft_id_to_target_id"]
+    assert left_at_init(config | {"draft_vocab_size": 128}) == []
 
 
 def test_vllm_refusing_a_local_verifier_alone_is_optional_and_other_refusals_break(good_export, monkeypatch):

@@ -17,6 +17,7 @@ from eagle3_pipeline.target import target_path
 from eagle3_pipeline.validate.acceptance import generate_counted
 from eagle3_pipeline.validate.speed import Timing
 from eagle3_pipeline.validate.stage import eval_prompts
+from eagle3_pipeline.validate.worker import WORKER_EXTENSION
 from tests.conftest import run_python
 from tests.validate.runs import demo_run
 
@@ -33,11 +34,11 @@ def test_request_steps_are_vllms_verifying_steps_and_add_up_to_its_counters(tmp_
     prompts = eval_prompts(config)[:PROMPTS]
     llm = start_engine(config.target, target_path(config.target), disable_log_stats=False,
                        speculative_config=speculative_config(config.run_dir / "05_export" / "reference", K),
-                       per_request_spec_decode_metrics="detailed")
+                       per_request_spec_decode_metrics="detailed", worker_extension_cls=WORKER_EXTENSION)
     try:
         results, counted = generate_counted(llm, [{"prompt_token_ids": p.token_ids} for p in prompts],
                                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), K,
-                                            Timing(concurrency=PROMPTS))
+                                            Timing(concurrency=PROMPTS), worker_s={})
     finally:
         llm.llm_engine.engine_core.shutdown()
 
