@@ -22,8 +22,8 @@ from eagle3_pipeline.config import load_config
 
 COLUMNS = ("mean_acceptance_length", "target_step_ms", "verify_forward_ms", "draft_step_ms", "sample_ms",
            "outside_step_ms", "measured_outside_step_ms", "fixed_ms", "plain_fixed_ms", "first_draft_round_ms",
-           "model_cycle_ms", "cycle_ms",
-           "predicted_speedup", "measured_speedup")
+           "model_cycle_ms", "cycle_ms", "engine_step_ms", "host_engine_step_ms", "plain_engine_step_ms",
+           "plain_host_engine_step_ms", "predicted_speedup", "measured_speedup")
 
 
 def reports_in(path: Path) -> list[tuple[str, dict]]:

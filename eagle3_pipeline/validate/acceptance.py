@@ -37,7 +37,7 @@ from eagle3_pipeline.validate.request_steps import (
     recorded_steps,
     request_steps,
 )
-from eagle3_pipeline.validate.speed import ENGINE_STEP_CALLS, START_STEP_TIMING, STEP_TIMING, Timing
+from eagle3_pipeline.validate.speed import ENGINE_STEP_CALLS, ON_HOST, START_STEP_TIMING, STEP_TIMING, Timing
 from eagle3_pipeline.validate.weights_probe import (
     REPORT,
     flagged_norms,
@@ -158,7 +158,15 @@ class GroupedRequests(Counted):
     def engine_steps_s(self) -> list[float]:
         """Seconds of each engine step in the worker: the verifying forward, then sampling, rejection and the next
         drafting round (the model runner's `execute_model` + `sample_tokens`, call by call)."""
-        return [sum(calls) for calls in zip(*(self.worker_s.get(name, []) for name in ENGINE_STEP_CALLS))]
+        return self._steps("")
+
+    @property
+    def host_engine_steps_s(self) -> list[float]:
+        """The same on the host's clock (timed on a GPU only)."""
+        return self._steps(ON_HOST)
+
+    def _steps(self, clock: str) -> list[float]:
+        return [sum(calls) for calls in zip(*(self.worker_s.get(name + clock, []) for name in ENGINE_STEP_CALLS))]
 
 
 @dataclass

@@ -37,10 +37,14 @@ STEP_TIMING = "step_timing"
 VERIFY_FORWARD, SAMPLE_AND_DRAFT, PROPOSE = "execute_model", "sample_tokens", "propose"
 ENGINE_STEP_CALLS = (VERIFY_FORWARD, SAMPLE_AND_DRAFT)
 IN_PREFILL = "@prefill"  # a call in a step that prefills is kept apart under its name and this suffix
+# on a GPU each call is also timed on the host clock, under its name and this suffix: the device's time leaves out
+# what the host spends where the host, not the device, sets the pace
+ON_HOST = "@host"
 
 _intervals: dict[str, list[tuple]] = {}  # name -> (start mark, end mark) per timed call in this worker process
 _recording = [False]
 _decode_step = [False]  # whether the engine step under way (its `execute_model` call) only decodes
+_host_too = [False]  # the device has its own clock (CUDA events): time each call on the host clock as well
 
 
 @dataclass
@@ -196,6 +200,9 @@ def phase_speed(group, plain_group, k: int) -> dict:
         # measured with the draft: the cycle (wall time), the worker's engine step in it and the rest
         "cycle_ms": ms(cycle),
         "engine_step_ms": ms(engine_step),
+        # on a GPU, the engine steps on the host's clock, with the draft and without it (None on CPU)
+        "host_engine_step_ms": ms(mean_or_none(group.host_engine_steps_s)),
+        "plain_host_engine_step_ms": ms(mean_or_none(plain_group.host_engine_steps_s)) if plain_group else None,
         "measured_outside_step_ms": ms(cycle - engine_step) if cycle and engine_step else None,
         "predicted_speedup": predicted,
         "measured_speedup": group.timing.tokens_per_s / plain_group.timing.tokens_per_s if plain_group else None,
@@ -219,15 +226,17 @@ class StepTimer:
                 setattr(owner, name, _timed(getattr(owner, name), name))
         _intervals.clear()
         _decode_step[0] = False  # until a step begins
+        _host_too[0] = _on_device()
         _recording[0] = True
 
     def step_timing(self) -> dict[str, list[float]]:
         """Seconds of each timed call since `start_step_timing`, by name (`execute_model`, `sample_tokens`,
-        `propose`; in a prefill step `execute_model@prefill` and so on); stops recording."""
+        `propose`; in a prefill step `execute_model@prefill` and so on; on a GPU the host's `execute_model@host` and
+        so on too); stops recording."""
         import torch
 
         _recording[0] = False
-        if torch.cuda.is_available():
+        if _on_device():
             torch.cuda.synchronize()
         seconds = {name: [start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time") else end - start
                           for start, end in marks] for name, marks in _intervals.items()}
@@ -242,11 +251,17 @@ def drafter(runner):
     return proposer if callable(getattr(proposer, "propose", None)) else None
 
 
+def _on_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _mark():
     """A point in time on the device's stream (a CUDA event), or the host clock where there is no GPU."""
     import torch
 
-    if torch.cuda.is_available():
+    if _on_device():
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -269,9 +284,12 @@ def _timed(call, name: str):
             _decode_step[0] = is_decode_step(kwargs.get("scheduler_output", args[0] if args else None))
         if not _recording[0]:
             return call(*args, **kwargs)
-        start = _mark()
+        host_start, start = time.perf_counter(), _mark()
         result = call(*args, **kwargs)
-        _intervals.setdefault(name if _decode_step[0] else name + IN_PREFILL, []).append((start, _mark()))
+        key = name if _decode_step[0] else name + IN_PREFILL
+        _intervals.setdefault(key, []).append((start, _mark()))
+        if _host_too[0]:
+            _intervals.setdefault(key + ON_HOST, []).append((host_start, time.perf_counter()))
         return result
 
     timed_call.timed = True

@@ -104,6 +104,24 @@ def test_step_timer_times_each_propose_and_engine_step_while_recording(attribute
     assert StepTimer.step_timing(worker) == {}
 
 
+def test_on_a_gpu_each_call_is_timed_on_the_host_clock_too(monkeypatch):
+    from eagle3_pipeline.validate import speed
+
+    worker = SimpleNamespace(model_runner=Runner("drafter", 0.005))
+    monkeypatch.setattr(speed, "_on_device", lambda: True)
+    monkeypatch.setattr(speed, "_mark", time.perf_counter)  # the device's clock, as this CPU can stand it in
+    StepTimer.start_step_timing(worker)
+    monkeypatch.setattr(speed, "_on_device", lambda: False)  # step_timing's synchronize needs no GPU here
+    worker.model_runner.execute_model(DECODE)
+    worker.model_runner.sample_tokens()
+    seconds = StepTimer.step_timing(worker)
+    assert sorted(seconds) == ["execute_model", "execute_model@host", "propose", "propose@host", "sample_tokens",
+                               "sample_tokens@host"]
+    phase = GroupedRequests(Timing(concurrency=1), AcceptanceCounts(3), seconds, [])
+    assert phase.host_engine_steps_s == [seconds["execute_model@host"][0] + seconds["sample_tokens@host"][0]]
+    assert phase.host_engine_steps_s[0] >= phase.engine_steps_s[0] > 0.01
+
+
 def test_step_timer_times_the_engine_steps_of_an_engine_without_a_draft():
     class PlainRunner:
         drafter = None
