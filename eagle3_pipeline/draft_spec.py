@@ -63,11 +63,17 @@ def floating_shapes(draft: DraftConfig, num_aux: int, target_vocab: int) -> dict
     }
 
 
+def whole_vocabulary(draft: DraftConfig, target_vocab: int) -> bool:
+    """Whether the draft predicts the target's whole vocabulary (`draft.draft_vocab_size` = the target's): its ids
+    are the target's, so it has no vocabulary maps."""
+    return draft.draft_vocab_size == target_vocab
+
+
 def vocab_map_shapes(draft: DraftConfig, target_vocab: int) -> dict[str, tuple[list[int], str]]:
     """The vocabulary maps 03 builds: d2t (draft id -> target id offset) and t2d (target id -> in the draft). A draft
-    over the target's whole vocabulary (`draft.draft_vocab_size` = the target's) has none: its ids are the target's,
-    speculators' draft then holds no maps and vLLM builds none (a `d2t` in its weights fails the load)."""
-    if draft.draft_vocab_size == target_vocab:
+    over the target's whole vocabulary has none: speculators' draft then holds no maps and vLLM builds none (a `d2t`
+    in its weights fails the load)."""
+    if whole_vocabulary(draft, target_vocab):
         return {}
     return {"d2t": ([draft.draft_vocab_size], "int64"), "t2d": ([target_vocab], "bool")}
 

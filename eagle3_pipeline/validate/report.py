@@ -119,12 +119,13 @@ def markdown(report: dict) -> str:
                   "## Speed", "", speed_table(report), "",
                   ("Eval batch: the prompts of each eval source submitted at once; a number: the first prompts in "
                    "groups of that many (1: one at a time). Latency: time to the first token plus decode time "
-                   "(vLLM's request timestamps). T: decode time per token without the draft. The model's cycle: "
-                   "the verifying forward + k·D (D: a timed drafting round / k) + sampling and rejection (the "
-                   "worker's medians with the draft) + the time outside the worker's step (T less the worker's step "
-                   "without the draft); measured cycle: decode time with the draft / its verifying steps (vLLM's "
-                   "counter). Predicted speed-up: each group's first-token latency and one step per token without "
-                   "the draft, one cycle per AL tokens with it (eagle3_pipeline/validate/speed.py)."), "",
+                   "(vLLM's request timestamps). T: wall time per decode step without the draft. The model's "
+                   "cycle: the verifying forward + k·D (D: a timed drafting round / k) + sampling and rejection "
+                   "(the worker's means over decode steps with the draft) + the time outside the worker's step (T "
+                   "less the worker's step without the draft); measured cycle: each group's decode span with the "
+                   "draft / its decode steps (its slowest request's verifying steps). Predicted speed-up: each "
+                   "group's fixed time, then T per decode step without the draft and one cycle per decode step "
+                   "with it (eagle3_pipeline/validate/speed.py)."), "",
                   "## Mean acceptance length per eval source", "", benchmark_table(report), "",
                   ("Pooled: 1 + accepted / drafts over all requests (vLLM's spec-decode counters). Mean of "
                    "per-request: each request's tokens from verifying steps / its verifying steps, averaged over "

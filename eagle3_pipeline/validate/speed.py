@@ -147,12 +147,12 @@ def fixed_time(group) -> float:
     return (group.timing.seconds - sum(group.timing.decode_spans_s)) / max(len(group.timing.decode_spans_s), 1)
 
 
-def step_costs(group, plain_group, k: int) -> StepCosts | None:
+def step_costs(group, plain_group, k: int, target_step: float | None) -> StepCosts | None:
     """The model's parts for one phase: the worker's means over the decode steps with the draft, and the time
-    outside the worker's step from the engine without it (T less its worker step); None where a part is missing."""
+    outside the worker's step from the engine without it (`target_step` less its worker step); None where a part is
+    missing."""
     rounds, forwards, sample_and_draft = (group.worker_s.get(name, [])
                                           for name in (PROPOSE, VERIFY_FORWARD, SAMPLE_AND_DRAFT))
-    target_step = decode_step(plain_group) if plain_group else None
     if not (target_step and plain_group.engine_steps_s and rounds and forwards and sample_and_draft):
         return None
     return StepCosts(verify_forward=statistics.fmean(forwards), draft_step=statistics.fmean(rounds) / k,
@@ -163,13 +163,14 @@ def step_costs(group, plain_group, k: int) -> StepCosts | None:
 def phase_speed(group, plain_group, k: int) -> dict:
     """One phase's figures (`acceptance.GroupedRequests` with the draft and without it): the step costs, each from
     its own clock, the cycle they add up to against the measured one, the predicted and the measured speed-up."""
-    costs = step_costs(group, plain_group, k)
     target_step, cycle = decode_step(plain_group) if plain_group else None, decode_step(group)
+    fixed, plain_fixed = fixed_time(group), fixed_time(plain_group) if plain_group else None
+    costs = step_costs(group, plain_group, k, target_step)
     engine_step = mean_or_none(group.engine_steps_s)
     predicted = None
     if costs:
-        time_ratio = predicted_speedup(costs, k, target_step, fixed_time(group), fixed_time(plain_group),
-                                       plain_group.decode_steps, group.decode_steps)
+        time_ratio = predicted_speedup(costs, k, target_step, fixed, plain_fixed, plain_group.decode_steps,
+                                       group.decode_steps)
         # in tokens/s, as measured: the two engines' outputs differ where a bf16 near-tie flipped a token
         predicted = time_ratio * group.timing.generated_tokens / plain_group.timing.generated_tokens
 
@@ -185,9 +186,9 @@ def phase_speed(group, plain_group, k: int) -> dict:
         "draft_rounds_timed": len(group.worker_s.get(PROPOSE, [])),
         "engine_steps_timed": len(group.engine_steps_s),
         # per group, before its decode span (prefills, request handling and, with the draft, its first round)
-        "fixed_ms": ms(fixed_time(group)),
+        "fixed_ms": ms(fixed),
         "first_draft_round_ms": ms(mean_or_none(group.worker_s.get(PROPOSE + IN_PREFILL, []))),  # in a prefill step
-        "plain_fixed_ms": ms(fixed_time(plain_group)) if plain_group else None,
+        "plain_fixed_ms": ms(plain_fixed),
         # without the draft: the decode step (wall time) and the worker's step in it
         "target_step_ms": ms(target_step),
         "plain_engine_step_ms": ms(mean_or_none(plain_group.engine_steps_s)) if plain_group else None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 
+from eagle3_pipeline.draft_spec import whole_vocabulary
 from eagle3_pipeline.export.format import draft_fields
 
 REPORT = "draft_weights_report"
@@ -109,7 +110,7 @@ def left_at_init(config_json: dict) -> list[str]:
     the target's whole vocabulary, which vLLM before 0.32 builds for every draft at zeros (the identity, as such a
     draft needs) and 0.32 and later do not build."""
     draft, _, target_vocab = draft_fields(config_json)
-    return ["draft_id_to_target_id"] if draft.draft_vocab_size == target_vocab else []
+    return ["draft_id_to_target_id"] if whole_vocabulary(draft, target_vocab) else []
 
 
 def loaded_parameters(report: dict) -> list[str]:
