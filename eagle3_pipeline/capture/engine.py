@@ -9,14 +9,19 @@
 Both take prompts as 01 stores them (ids with image placeholders expanded, and the images' bytes), hand
 vLLM the images, check that the prompt vLLM computed is the stored one, and return, per prompt, aux
 [T, n_aux, H] in the order of `aux_layer_ids` and final [T, H] (the last layer's output before the final
-norm), on the CPU.
+norm), on the CPU. `capture_batches` overlaps the two halves of a batch's capture: while vLLM prefills one
+batch, a thread reads the states of the batch before into this process.
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import torch
 from packaging.version import Version
@@ -33,6 +38,73 @@ CapturedStates = tuple[torch.Tensor, torch.Tensor]
 
 class Capturer(Protocol):
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]: ...
+
+    def capture_batches(self, batches: Iterable[list[Prompt]]) -> Iterator[list[CapturedStates]]: ...
+
+    seconds: CaptureSeconds
+
+
+@dataclass
+class CaptureSeconds:
+    """Where a capturer's time went: the engine's prefills (its worker's per-step recording included), reading
+    the states into this process, and the part of that reading the next prefill did not hide."""
+
+    prefill: float = 0.0
+    collect: float = 0.0
+    waited: float = 0.0
+
+    def record(self) -> dict[str, float]:
+        return {name: round(value, 3) for name, value in asdict(self).items()}
+
+
+class OverlappedCapture:
+    """A capture in two halves: `_prefill` runs the engine over a batch and says where its states are;
+    `_collect` reads them into this process. `capture_batches` collects each batch in a thread while the
+    engine prefills the next one, so the GPU is not idle while the host copies states."""
+
+    seconds: CaptureSeconds
+
+    def _prefill(self, prompts: list[Prompt]) -> Any: ...
+
+    def _collect(self, prefilled: Any) -> list[CapturedStates]: ...
+
+    def _timed_prefill(self, prompts: list[Prompt]) -> Any:
+        started = time.perf_counter()
+        prefilled = self._prefill(prompts)
+        self.seconds.prefill += time.perf_counter() - started
+        return prefilled
+
+    def _timed_collect(self, prefilled: Any) -> list[CapturedStates]:
+        started = time.perf_counter()
+        states = self._collect(prefilled)
+        self.seconds.collect += time.perf_counter() - started
+        return states
+
+    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
+        prefilled = self._timed_prefill(prompts)
+        started = time.perf_counter()
+        states = self._timed_collect(prefilled)
+        self.seconds.waited += time.perf_counter() - started
+        return states
+
+    def capture_batches(self, batches: Iterable[list[Prompt]]) -> Iterator[list[CapturedStates]]:
+        """Each batch's states, in order. A batch is collected before the prefill after the next one starts
+        (the worker extension's mapped slabs take turns in two banks)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="collect") as collector:
+            collecting = None
+            for prompts in batches:
+                prefilled = self._timed_prefill(prompts)
+                if collecting is not None:
+                    yield self._finished(collecting)
+                collecting = collector.submit(self._timed_collect, prefilled)
+            if collecting is not None:
+                yield self._finished(collecting)
+
+    def _finished(self, collecting) -> list[CapturedStates]:
+        started = time.perf_counter()
+        states = collecting.result()
+        self.seconds.waited += time.perf_counter() - started
+        return states
 
 
 def vllm_version() -> Version:
@@ -88,7 +160,7 @@ def _check_prompt(output, ids: list[int]) -> None:
                          f"01_data holds {len(ids)} (its images expanded otherwise): rerun 01 with this vLLM")
 
 
-class WorkerExtensionCapturer:
+class WorkerExtensionCapturer(OverlappedCapture):
     # the layers are chosen after the engine starts (eagle3_pipeline/capture/worker.py); prefixes must not be skipped
     ENGINE_SETTINGS = {"enforce_eager": True, "enable_prefix_caching": False}
 
@@ -100,24 +172,33 @@ class WorkerExtensionCapturer:
         except RuntimeError as err:
             raise StageError(str(err)) from None
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
+        self.seconds = CaptureSeconds()
         self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
-        self.column_of = [self.captured_ids.index(i) for i in aux_layer_ids]
+        # aux_layer_ids are ascending wherever a config gives them (capture.aux_layer_ids is checked), so this
+        # reordering, a copy of every state, is rarely needed
+        self.column_of = None if self.captured_ids == list(aux_layer_ids) else [
+            self.captured_ids.index(i) for i in aux_layer_ids]
         self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION, **self.ENGINE_SETTINGS)
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
         self.vision = Vision.of_engine(self.llm, model_dir)
 
-    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
-        from eagle3_pipeline.capture.handover import load_captured
-
+    def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str]]:
         requests, sampling = _prompts(prompts, self.vision)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         for output, (ids, _) in zip(outputs, prompts):
             _check_prompt(output, ids)
-        captured = load_captured(outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0])
+        return outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0]
+
+    def _collect(self, prefilled: tuple[list, dict[str, str]]) -> list[CapturedStates]:
+        from eagle3_pipeline.capture.handover import load_captured
+
+        captured = load_captured(*prefilled)
+        if self.column_of is None:
+            return [(c["aux_hidden_states"], c["final_hidden_state"]) for c in captured]
         return [(c["aux_hidden_states"][:, self.column_of], c["final_hidden_state"]) for c in captured]
 
 
-class ExtractHiddenStatesCapturer:
+class ExtractHiddenStatesCapturer(OverlappedCapture):
     ENGINE_SETTINGS = {"enable_prefix_caching": False}  # a cached prefix would not be prefilled, nor captured
 
     def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int):
@@ -125,6 +206,7 @@ class ExtractHiddenStatesCapturer:
 
         self.num_aux = len(aux_layer_ids)
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")
+        self.seconds = CaptureSeconds()
         self.llm = start_engine(
             config.target, model_dir, **self.ENGINE_SETTINGS,
             # id num_layers is the last layer's output before the final norm
@@ -141,16 +223,22 @@ class ExtractHiddenStatesCapturer:
         )
         self.vision = Vision.of_engine(self.llm, model_dir)
 
-    def capture(self, prompts: list[Prompt]) -> list[CapturedStates]:
+    def _prefill(self, prompts: list[Prompt]) -> list[tuple[list[int], Any]]:
+        requests, sampling = _prompts(prompts, self.vision)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        for output, (ids, _) in zip(outputs, prompts):
+            _check_prompt(output, ids)
+        return [(ids, output) for (ids, _), output in zip(prompts, outputs)]
+
+    def _collect(self, prefilled: list[tuple[list[int], Any]]) -> list[CapturedStates]:
+        # the connector's files are per request: one batch's may be read while the next batch's are written
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
         )
 
-        requests, sampling = _prompts(prompts, self.vision)
         results = []
-        for (ids, _), output in zip(prompts, self.llm.generate(requests, sampling, use_tqdm=False)):
-            _check_prompt(output, ids)
+        for ids, output in prefilled:
             path = output.kv_transfer_params["hidden_states_path"]
             written = load_hidden_states(path)
             cleanup_hidden_states(path)

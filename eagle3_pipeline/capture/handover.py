@@ -7,8 +7,9 @@ RPC results are not a way to move gigabytes, and vLLM's RPC does not return tens
   the copy overlaps the next step's forward, into reused page-locked host slabs (`MappedArena`): files in a
   folder of the worker's own (under /dev/shm where it has room), registered with CUDA, so the GPU writes them
   by DMA and the main process maps the same pages; one pass over the bytes. `pop_captured` waits for the
-  copies, then writes one small JSON per request locating its chunks. The slabs are reused from the next
-  forward on: `load_captured` (which copies the states out) must run before the next `generate`.
+  copies, then writes one small JSON per request locating its chunks. Two banks of slabs take turns, one per
+  `pop_captured`: `load_captured` (which copies the states out) may run while the next `generate` fills the
+  other bank, and must end before the `generate` after that (engine.py's capturers overlap them so).
 - `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
 
 Either way `pop_captured` writes (`write_request`) into a directory the caller names and `load_captured` reads
@@ -39,7 +40,8 @@ class MappedArena:
     """Reused host slabs that steps' states are copied into: files in a private folder (under /dev/shm where
     it has room for two slabs, else the temp dir) mapped shared, page-locked with CUDA when `pin`, so a
     device-to-host copy lands in pages the main process maps. Copies run on a side stream; `wait` blocks
-    until they have landed."""
+    until they have landed. The slabs form two banks: `next_round` starts writing into the other one, so the
+    round before stays readable while the next one is written."""
 
     def __init__(self, pin: bool, directory: str | None = None):
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -50,10 +52,11 @@ class MappedArena:
             directory = shm
         self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
-        self.slabs: list[tuple[str, torch.Tensor]] = []
-        self.slab, self.used = 0, 0
+        self.banks: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [])
+        self.mapped: dict[str, torch.Tensor] = {}  # every slab by path (read_step's cache in the worker)
+        self.bank, self.slab, self.used = 0, 0, 0
         self.stream = torch.cuda.Stream() if pin else None
-        self._cleanup = weakref.finalize(self, _release, self.directory, self.slabs, pin)
+        self._cleanup = weakref.finalize(self, _release, self.directory, self.mapped, pin)
 
     def put(self, tensors: dict[str, torch.Tensor]) -> dict:
         """Start copying one step's tensors (rows = tokens) into a slab; where they will be (`read_step`)."""
@@ -80,21 +83,22 @@ class MappedArena:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def rewind(self) -> None:
-        """Write from the first slab again (what was written is read and copied out before that)."""
-        self.slab, self.used = 0, 0
+    def next_round(self) -> None:
+        """Write from the first slab of the other bank (what it held two rounds ago has been copied out)."""
+        self.bank, self.slab, self.used = 1 - self.bank, 0, 0
 
     def _take(self, nbytes: int) -> tuple[str, int, torch.Tensor]:
-        while self.slab < len(self.slabs) and self.used + nbytes > self.slabs[self.slab][1].numel():
+        slabs = self.banks[self.bank]
+        while self.slab < len(slabs) and self.used + nbytes > slabs[self.slab][1].numel():
             self.slab, self.used = self.slab + 1, 0
-        if self.slab == len(self.slabs):
-            self.slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
-        path, slab = self.slabs[self.slab]
+        if self.slab == len(slabs):
+            slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
+        path, slab = slabs[self.slab]
         base, self.used = self.used, self.used + nbytes
         return path, base, slab
 
     def _new_slab(self, nbytes: int) -> tuple[str, torch.Tensor]:
-        path = os.path.join(self.directory, f"slab{len(self.slabs)}.bin")
+        path = os.path.join(self.directory, f"bank{self.bank}-slab{len(self.banks[self.bank])}.bin")
         if shutil.disk_usage(self.directory).free < nbytes:  # a mapping past a full tmpfs would fault later
             raise RuntimeError(f"hidden-state capture: {self.directory} has no room for another {nbytes}-byte "
                                "slab (one generate call's states must fit); capture fewer prompts at once")
@@ -104,6 +108,7 @@ class MappedArena:
             if int(status) != 0:
                 raise RuntimeError(f"hidden-state capture: page-locking a {nbytes}-byte slab failed (CUDA error "
                                    f"{int(status)}); set_capture_layers(..., handover='pageable') avoids it")
+        self.mapped[path] = slab
         return path, slab
 
 
@@ -119,9 +124,9 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _release(directory: str, slabs: list[tuple[str, torch.Tensor]], pin: bool) -> None:
+def _release(directory: str, slabs: dict[str, torch.Tensor], pin: bool) -> None:
     if pin:
-        for _, slab in slabs:
+        for slab in slabs.values():
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
     slabs.clear()
     shutil.rmtree(directory, ignore_errors=True)

@@ -17,6 +17,7 @@ import functools
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,10 +185,14 @@ def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_t
                          "free space, or pass --ignore-disk-check")
 
 
-def capture_checked(capturer, batch: list[Sample], num_aux: int, hidden_size: int) -> list[store.SampleStates]:
-    """The states of a batch of samples, each checked against its token count."""
+def prompts_of(batch: list[Sample]) -> list[tuple[list[int], list]]:
+    return [(s.input_ids, list(s.images)) for s in batch]
+
+
+def checked(batch: list[Sample], states: list, num_aux: int, hidden_size: int) -> list[store.SampleStates]:
+    """A batch's captured states, each checked against its sample's token count."""
     captured = []
-    for sample, (aux, final) in zip(batch, capturer.capture([(s.input_ids, list(s.images)) for s in batch])):
+    for sample, (aux, final) in zip(batch, states):
         if aux.shape != (len(sample.input_ids), num_aux, hidden_size):
             raise StageError(f"sample {sample.sample_id}: captured aux {tuple(aux.shape)} does not match "
                              f"{len(sample.input_ids)} tokens x {num_aux} layers x {hidden_size}")
@@ -197,18 +202,30 @@ def capture_checked(capturer, batch: list[Sample], num_aux: int, hidden_size: in
 
 def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, todo: list[ShardPlan],
                    aux_layer_ids: list[int]) -> None:
+    """Every shard of `todo`, its batches captured back to back (capture_batches overlaps each batch's copy out
+    of vLLM with the next batch's prefill) and each shard written in a thread while the next is captured."""
     batch_size = config.capture.batch_size
+    batches = [(plan, plan.samples[start : start + batch_size])
+               for plan in todo for start in range(0, len(plan.samples), batch_size)]
+    states = capturer.capture_batches(prompts_of(batch) for _, batch in batches)
     total_tokens, started = sum(p.tokens for p in todo), time.perf_counter()
-    with tqdm(total=total_tokens, unit="tok", desc="capture") as progress:
-        for plan in todo:
-            captured = []
-            for start in range(0, len(plan.samples), batch_size):
-                batch = plan.samples[start : start + batch_size]
-                captured += capture_checked(capturer, batch, len(aux_layer_ids), hidden_size)
-                progress.update(sum(len(s.input_ids) for s in batch))
-            write_shard_files(stage, plan, captured, config.capture.dtype)
-    elapsed = time.perf_counter() - started
-    print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s)")
+    captured: list[store.SampleStates] = []
+    with tqdm(total=total_tokens, unit="tok", desc="capture") as progress, ThreadPoolExecutor(1) as writer:
+        writing = None
+        for (plan, batch), batch_states in zip(batches, states):
+            captured += checked(batch, batch_states, len(aux_layer_ids), hidden_size)
+            progress.update(sum(len(s.input_ids) for s in batch))
+            if batch[-1] is plan.samples[-1]:  # the shard's last batch
+                if writing is not None:
+                    writing.result()  # one shard in memory while another is written, at most
+                writing = writer.submit(write_shard_files, stage, plan, captured, config.capture.dtype)
+                captured = []
+        if writing is not None:
+            writing.result()
+    elapsed, seconds = time.perf_counter() - started, capturer.seconds
+    print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s): prefills "
+          f"{seconds.prefill:.1f} s, reading the states {seconds.collect:.1f} s, of which {seconds.waited:.1f} s "
+          "not hidden behind a prefill")
 
 
 def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publish: bool, num_shards: int):
@@ -255,7 +272,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     progress = tqdm(unit="pack", desc="stream capture")
     while positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size):
         batch = [train[i] for p in positions for i in packs.pack(p)]
-        captured = iter(capture_checked(capturer(), batch, len(layout.aux_layer_ids), layout.hidden_size))
+        states = capturer().capture(prompts_of(batch))
+        captured = iter(checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
         for position in positions:
             epoch, _ = packs.locate(position)
             item = stream.PackItem(position, epoch, [next(captured) for _ in packs.pack(position)])

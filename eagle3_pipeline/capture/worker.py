@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.capture.handover import MappedArena, write_request
+from eagle3_pipeline.capture.handover import MappedArena, read_step, write_request
 
 EXTENSION = "eagle3_pipeline.capture.worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
@@ -65,8 +65,8 @@ class HiddenStateCapture:
         _check_engine(self.vllm_config, self.model_runner, model, ids)
         model.set_aux_hidden_state_layers(ids)
         if not hasattr(self, "_capture_chunks"):  # first call: hook the model once
-            # per request: (first position, token ids, aux, final) on the host, or (first position, where
-            # the chunk lies in the mapped slabs)
+            # per request: (first position, token ids, aux, final) on the host, or (where the chunk lies in
+            # the mapped slabs,): its first position is read there once the copies have landed
             self._capture_chunks: dict[str, list[tuple]] = {}
             self._capture_final: torch.Tensor | None = None
             self._capture_arena: MappedArena | None = None
@@ -86,9 +86,12 @@ class HiddenStateCapture:
         request id (`load_captured` pairs them with the request outputs)."""
         chunks, self._capture_chunks = self._capture_chunks, {}
         Path(directory).mkdir(parents=True, exist_ok=True)
-        if self._capture_arena is not None:
-            self._capture_arena.wait()  # every copy into the slabs has landed
-            self._capture_arena.rewind()
+        arena = self._capture_arena
+        if arena is not None:
+            arena.wait()  # every copy into the slabs has landed
+            arena.next_round()  # the main process reads this round while the next one fills the other bank
+            chunks = {req_id: [(_first_position(arena, spec), spec) for (spec,) in parts]
+                      for req_id, parts in chunks.items()}
         return {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
 
     # ----------------------------------------------------------------------------------- inside the worker
@@ -120,27 +123,35 @@ class HiddenStateCapture:
         # Request i owns tokens starts[i]:starts[i + 1]; rows past the last are padding.
         req_ids, starts, input_ids = batch
         num_tokens = starts[-1]
-        positions = (positions[0] if positions.dim() > 1 else positions)[:num_tokens].cpu()  # M-RoPE: [3, T]
-        # A copy: the runner's input buffer is refilled for the next step while the side stream may still read.
+        positions = (positions[0] if positions.dim() > 1 else positions)[:num_tokens]  # M-RoPE: [3, T]
+        # Copies: the runner's input buffers are refilled for the next step while the side stream may still read.
         token_ids = input_ids[:num_tokens].to(torch.int64, copy=True)
         aux = [states[:num_tokens] for states in aux_hidden_states]
         if self._capture_handover == "mapped":
             if self._capture_arena is None:
                 self._capture_arena = MappedArena(pin=token_ids.is_cuda)
-            step = self._capture_arena.put({"token_ids": token_ids, "aux_hidden_states": torch.stack(aux, dim=1),
+            # the positions travel with the states: reading them here would wait for the forward every step
+            step = self._capture_arena.put({"token_ids": token_ids, "positions": positions.to(torch.int64, copy=True),
+                                            "aux_hidden_states": torch.stack(aux, dim=1),
                                             "final_hidden_state": final[:num_tokens]})
 
             def chunk(begin: int, end: int) -> tuple:
                 return ({**step, "begin": begin, "end": end},)
         else:
+            positions = positions.cpu()
             token_ids, aux, final = token_ids.cpu(), torch.stack(aux, dim=1).cpu(), final[:num_tokens].cpu()
 
             def chunk(begin: int, end: int) -> tuple:
-                return token_ids[begin:end], aux[begin:end], final[begin:end]
+                return int(positions[begin]), token_ids[begin:end], aux[begin:end], final[begin:end]
         for i, req_id in enumerate(req_ids):
             begin, end = starts[i], starts[i + 1]
             if end > begin:
-                self._capture_chunks.setdefault(req_id, []).append((int(positions[begin]), *chunk(begin, end)))
+                self._capture_chunks.setdefault(req_id, []).append(chunk(begin, end))
+
+
+def _first_position(arena: MappedArena, spec: dict) -> int:
+    """The position of a mapped chunk's first token, read from its step's slab (its copies have landed)."""
+    return int(read_step(spec, arena.mapped, slice(spec["begin"], spec["begin"] + 1))["positions"][0])
 
 
 class StepBatch:

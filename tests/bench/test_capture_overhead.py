@@ -26,6 +26,10 @@ def test_every_batch_is_timed_after_one_warm_up():
     seen = []
     assert timed_batches(samples, 2, seen.append) >= 0
     assert seen == [[([0], []), ([1], [])], [([0], []), ([1], [])], [([2], []), ([3], [])], [([4], [])]]
+    # the capture's batches go to capture_batches at once (each read while the next is prefilled)
+    warm, at_once = [], []
+    timed_batches(samples, 2, warm.append, at_once.append)
+    assert warm == [[([0], []), ([1], [])]] and at_once == [seen[1:]]
 
 
 def test_capture_over_each_plain_engine():

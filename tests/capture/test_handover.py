@@ -95,3 +95,22 @@ def test_a_killed_workers_slabs_are_removed(tmp_path):
     dead.mkdir(), alive.mkdir()
     arena = MappedArena(pin=False, directory=str(tmp_path))
     assert not dead.exists() and alive.exists() and Path(arena.directory).exists()
+
+
+def test_a_round_stays_readable_while_the_next_is_recorded(tmp_path):
+    """capture_batches reads one round's states while the engine records the next: the mapped slabs take turns in
+    two banks, so the round before is intact until the round after the next one."""
+    (reference,) = captured("pageable", tmp_path / "pageable")
+    (tmp_path / "mapped").mkdir()
+    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path / "mapped"))
+    rounds = []
+    for shift in range(3):  # each round's states differ: every step's states plus the round number
+        for s in STEPS:
+            record(worker, {**s, "aux": [a + shift for a in s["aux"]], "final": s["final"] + shift})
+        rounds.append(worker.pop_captured(str(tmp_path / f"spool{shift}")))
+        if shift >= 1:  # the round before, read only now that this one is recorded
+            before = load_captured(OUTPUTS, rounds[shift - 1])
+            for ours, expected in zip(before, reference):
+                assert torch.equal(ours["final_hidden_state"], expected["final_hidden_state"] + (shift - 1))
+                assert torch.equal(ours["aux_hidden_states"], expected["aux_hidden_states"] + (shift - 1))
+    assert len({path for bank in worker._capture_arena.banks for path, _ in bank}) == 2  # one slab a bank, reused
