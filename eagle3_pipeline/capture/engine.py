@@ -19,8 +19,8 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -67,6 +67,14 @@ class OverlappedCapture:
     def _prefill(self, prompts: list[Prompt]) -> Any: ...
 
     def _collect(self, prefilled: Any) -> list[CapturedStates]: ...
+
+    def _generated(self, prompts: list[Prompt]) -> list:
+        """The engine's outputs for `prompts` (one token each), each checked to have prompted 01's ids."""
+        requests, sampling = _prompts(prompts, self.vision)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        for output, (ids, _) in zip(outputs, prompts):
+            _check_prompt(output, ids)
+        return outputs
 
     def _timed_prefill(self, prompts: list[Prompt]) -> Any:
         started = time.perf_counter()
@@ -183,19 +191,14 @@ class WorkerExtensionCapturer(OverlappedCapture):
         self.vision = Vision.of_engine(self.llm, model_dir)
 
     def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str]]:
-        requests, sampling = _prompts(prompts, self.vision)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        for output, (ids, _) in zip(outputs, prompts):
-            _check_prompt(output, ids)
+        outputs = self._generated(prompts)
         return outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0]
 
     def _collect(self, prefilled: tuple[list, dict[str, str]]) -> list[CapturedStates]:
         from eagle3_pipeline.capture.handover import load_captured
 
-        captured = load_captured(*prefilled)
-        if self.column_of is None:
-            return [(c["aux_hidden_states"], c["final_hidden_state"]) for c in captured]
-        return [(c["aux_hidden_states"][:, self.column_of], c["final_hidden_state"]) for c in captured]
+        columns = slice(None) if self.column_of is None else self.column_of  # a slice takes a view, not a copy
+        return [(c["aux_hidden_states"][:, columns], c["final_hidden_state"]) for c in load_captured(*prefilled)]
 
 
 class ExtractHiddenStatesCapturer(OverlappedCapture):
@@ -224,11 +227,7 @@ class ExtractHiddenStatesCapturer(OverlappedCapture):
         self.vision = Vision.of_engine(self.llm, model_dir)
 
     def _prefill(self, prompts: list[Prompt]) -> list[tuple[list[int], Any]]:
-        requests, sampling = _prompts(prompts, self.vision)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        for output, (ids, _) in zip(outputs, prompts):
-            _check_prompt(output, ids)
-        return [(ids, output) for (ids, _), output in zip(prompts, outputs)]
+        return [(ids, output) for (ids, _), output in zip(prompts, self._generated(prompts))]
 
     def _collect(self, prefilled: list[tuple[list[int], Any]]) -> list[CapturedStates]:
         # the connector's files are per request: one batch's may be read while the next batch's are written
