@@ -149,9 +149,12 @@ def vllm_draft(target, folder, model):
     from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
-    served_class = Eagle3DeepseekV2ForCausalLM if model.config.transformer_layer_config.model_type == "deepseek_v3" \
-        else Eagle3LlamaForCausalLM
+    mla = model.config.transformer_layer_config.model_type == "deepseek_v3"
+    served_class = Eagle3DeepseekV2ForCausalLM if mla else Eagle3LlamaForCausalLM
+    # vLLM CPU prefers its AMX MLA backend where the processor has AMX, and that packs no fp32 weights
+    # (eagle3_pipeline/engine.py asks for the reference backend the same way)
     config = EngineArgs(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True,
+                        attention_backend="CPU_MLA" if mla else None,
                         speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": STEPS},
                         ).create_engine_config()
     with set_current_vllm_config(config):
