@@ -39,7 +39,7 @@ CapturedStates = tuple[torch.Tensor, torch.Tensor]
 class Capturer(Protocol):
     def capture(self, prompts: list[Prompt]) -> list[CapturedStates]: ...
 
-    def capture_batches(self, batches: Iterable[list[Prompt]]) -> Iterator[list[CapturedStates]]: ...
+    def capture_batches(self, batches: Iterable[list[Prompt] | None]) -> Iterator[list[CapturedStates]]: ...
 
     seconds: CaptureSeconds
 
@@ -95,16 +95,17 @@ class OverlappedCapture:
         self.seconds.waited += time.perf_counter() - started
         return states
 
-    def capture_batches(self, batches: Iterable[list[Prompt]]) -> Iterator[list[CapturedStates]]:
+    def capture_batches(self, batches: Iterable[list[Prompt] | None]) -> Iterator[list[CapturedStates]]:
         """Each batch's states, in order. A batch is collected before the prefill after the next one starts
-        (the worker extension's mapped slabs take turns in two banks)."""
+        (the worker extension's mapped slabs take turns in two banks). `batches` yields None where its next
+        batch waits on what the caller does with the states of the batch in flight: those come first."""
         with ThreadPoolExecutor(1, thread_name_prefix="collect") as collector:
             collecting = None
             for prompts in batches:
-                prefilled = self._timed_prefill(prompts)
+                prefilled = None if prompts is None else self._timed_prefill(prompts)
                 if collecting is not None:
                     yield self._finished(collecting)
-                collecting = collector.submit(self._timed_collect, prefilled)
+                collecting = None if prefilled is None else collector.submit(self._timed_collect, prefilled)
             if collecting is not None:
                 yield self._finished(collecting)
 

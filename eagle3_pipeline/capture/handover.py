@@ -52,11 +52,13 @@ class MappedArena:
             directory = shm
         self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
-        self.banks: tuple[list[tuple[str, torch.Tensor]], ...] = ([], [])
         self.mapped: dict[str, torch.Tensor] = {}  # every slab by path (read_step's cache in the worker)
+        self._cleanup = weakref.finalize(self, _release, self.directory, self.mapped, pin)
+        # each bank's first slab at once (the arena is made at the first captured step, the warm-up's): page-locking
+        # 4 GB takes about a second, which would otherwise fall in the first batch that writes into the second bank
+        self.banks = tuple([self._new_slab(bank, 0, self.slab_bytes)] for bank in (0, 1))
         self.bank, self.slab, self.used = 0, 0, 0
         self.stream = torch.cuda.Stream() if pin else None
-        self._cleanup = weakref.finalize(self, _release, self.directory, self.mapped, pin)
 
     def put(self, tensors: dict[str, torch.Tensor]) -> dict:
         """Start copying one step's tensors (rows = tokens) into a slab; where they will be (`read_step`)."""
@@ -92,13 +94,13 @@ class MappedArena:
         while self.slab < len(slabs) and self.used + nbytes > slabs[self.slab][1].numel():
             self.slab, self.used = self.slab + 1, 0
         if self.slab == len(slabs):
-            slabs.append(self._new_slab(max(nbytes, self.slab_bytes)))
+            slabs.append(self._new_slab(self.bank, len(slabs), max(nbytes, self.slab_bytes)))
         path, slab = slabs[self.slab]
         base, self.used = self.used, self.used + nbytes
         return path, base, slab
 
-    def _new_slab(self, nbytes: int) -> tuple[str, torch.Tensor]:
-        path = os.path.join(self.directory, f"bank{self.bank}-slab{len(self.banks[self.bank])}.bin")
+    def _new_slab(self, bank: int, index: int, nbytes: int) -> tuple[str, torch.Tensor]:
+        path = os.path.join(self.directory, f"bank{bank}-slab{index}.bin")
         if shutil.disk_usage(self.directory).free < nbytes:  # a mapping past a full tmpfs would fault later
             raise RuntimeError(f"hidden-state capture: {self.directory} has no room for another {nbytes}-byte "
                                "slab (one generate call's states must fit); capture fewer prompts at once")

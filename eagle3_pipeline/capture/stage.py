@@ -13,7 +13,9 @@ the stream (`stream.json`: 04 starts on it), and the stage finishes when 04 has 
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import json
 import shutil
 import time
@@ -222,10 +224,15 @@ def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, 
                 captured = []
         if writing is not None:
             writing.result()
-    elapsed, seconds = time.perf_counter() - started, capturer.seconds
-    print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s): prefills "
-          f"{seconds.prefill:.1f} s, reading the states {seconds.collect:.1f} s, of which {seconds.waited:.1f} s "
-          "not hidden behind a prefill")
+    elapsed = time.perf_counter() - started
+    print(f"captured {total_tokens:,} tokens in {elapsed:.1f} s ({total_tokens / elapsed:,.0f} tokens/s): "
+          f"{time_split(capturer.seconds)}")
+
+
+def time_split(seconds) -> str:
+    """Where a capture's time went (capture/engine.py's CaptureSeconds), in words."""
+    return (f"prefills {seconds.prefill:.1f} s, reading the states {seconds.collect:.1f} s, of which "
+            f"{seconds.waited:.1f} s not hidden behind a prefill")
 
 
 def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publish: bool, num_shards: int):
@@ -269,10 +276,24 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     def item_bytes(pack: tuple[int, ...]) -> int:
         return sum(len(train[i].input_ids) for i in pack) * per_token + stream.ITEM_HEADER_BYTES
 
+    in_flight: collections.deque = collections.deque()  # (positions, samples) of batches being captured, in order
+
+    def batches():
+        """The next batch of 04's packs as soon as the window has room; while one batch is in flight, the window
+        is asked without waiting (its room may come only once that batch is put): None hands it over first."""
+        while (positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size,
+                                                    wait=not in_flight)) != []:
+            if positions is None:
+                yield None
+                continue
+            in_flight.append((positions, [train[i] for p in positions for i in packs.pack(p)]))
+            yield prompts_of(in_flight[-1][1])
+
     progress = tqdm(unit="pack", desc="stream capture")
-    while positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size):
-        batch = [train[i] for p in positions for i in packs.pack(p)]
-        states = capturer().capture(prompts_of(batch))
+    waiting = batches()
+    first = next(waiting, None)  # the engine starts only if 04 asks for anything
+    for states in [] if first is None else capturer().capture_batches(itertools.chain([first], waiting)):
+        positions, batch = in_flight.popleft()
         captured = iter(checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
         for position in positions:
             epoch, _ = packs.locate(position)
@@ -280,6 +301,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
             producer.put(position, stream.encode_item(item, layout.dtype), sum(s.final.shape[0] for s in item.samples))
             progress.update()
     progress.close()
+    if first is not None:
+        print(f"stream: {time_split(capturer().seconds)}")
     if not producer.finish():
         print(f"stream: 04_train finished; job {shard_index}/{num_shards} done, others still running (the last "
               "one to finish writes the manifest)")

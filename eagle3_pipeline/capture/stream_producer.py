@@ -33,6 +33,9 @@ class Producer:
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
         self.counts = {"packs": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0}
+        # positions chosen but not yet put (a batch still being captured), with their estimated bytes: not chosen
+        # again, and counted against the share
+        self.reserved: dict[int, int] = {}
         self._beat_at = 0.0
         transport.discard_partial(shard_index, num_shards)
 
@@ -65,22 +68,23 @@ class Producer:
         record = self._consumer()
         return record.get("next"), record.get("time")
 
-    def next_positions(self, pack_of, bytes_of, max_samples: int) -> list[int]:
+    def next_positions(self, pack_of, bytes_of, max_samples: int, wait: bool = True) -> list[int] | None:
         """The next positions this job captures, in order, as many as fit its free share (and `max_samples`
-        samples); waits while none does; [] once 04 has finished. `pack_of(p)` gives the sample indices of
-        position p, `bytes_of(pack)` an estimate of its item's size."""
+        samples); waits while none does, or returns None then when not `wait`; [] once 04 has finished.
+        `pack_of(p)` gives the sample indices of position p, `bytes_of(pack)` an estimate of its item's size.
+        The positions are reserved until `put`."""
 
         def ready():
             self.beat("waiting for room")
             sizes, consumer = self._look()
             if consumer.get("finished"):
                 return []
-            end, free = consumer.get("end"), self.share - sum(sizes.values())
+            end, free = consumer.get("end"), self.share - sum(sizes.values()) - sum(self.reserved.values())
             position = consumer.get("next", 0)
             position += (self.shard_index - position) % self.num_shards  # the first one of this job's
             chosen, samples = [], 0
             while end is None or position < end:
-                if position not in sizes:
+                if position not in sizes and position not in self.reserved:
                     pack = pack_of(position)
                     need = bytes_of(pack)
                     if not chosen and need > free:
@@ -98,9 +102,12 @@ class Producer:
                         break
                     chosen.append(position)
                     free, samples = free - need, samples + len(pack)
+                    self.reserved[position] = need
                 position += self.num_shards
             return chosen or None
 
+        if not wait:
+            return ready()
         return self.waiter.wait(ready, lambda: "window share full; waiting for 04_train to consume",
                                 self._consumer_progress,
                                 "04_train is not consuming: start it, or rerun it with --resume; rerun this job after")
@@ -120,6 +127,7 @@ class Producer:
     def put(self, position: int, data: bytes, tokens: int) -> None:
         """Make the item visible once this job's items, it included, fit the share; dropped when 04 no longer
         needs it (finished, or moved past it)."""
+        self.reserved.pop(position, None)
 
         def ready():
             sizes, consumer = self._look()

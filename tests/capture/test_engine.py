@@ -58,3 +58,19 @@ def test_a_failed_collect_stops_the_capture_with_its_error():
     with pytest.raises(RuntimeError, match="batch 1: unreadable"):
         list(capturer.capture_batches([[0], [1], [2], [3]]))
     assert "prefill 3 start" not in capturer.log
+
+
+def test_a_none_in_the_batches_hands_over_the_batch_in_flight_first():
+    """Stream mode's batches wait on room that the batch in flight frees once handed over: a None from the
+    batches delivers it before the next batch is asked for."""
+    capturer, delivered = Recorded(), []
+
+    def batches():
+        yield [0]
+        yield None
+        assert delivered == [[0]]  # batch 0 handed over before batch 1 is made
+        yield [1]
+
+    for states in capturer.capture_batches(batches()):
+        delivered.append(states)
+    assert delivered == [[0], [10]] and capturer.log.count("prefill 1 start") == 1

@@ -97,6 +97,17 @@ def test_a_killed_workers_slabs_are_removed(tmp_path):
     assert not dead.exists() and alive.exists() and Path(arena.directory).exists()
 
 
+def test_both_banks_are_mapped_before_the_first_step(tmp_path):
+    """Page-locking a slab is slow on a GPU: both banks' first slabs are made together, not the second one in the
+    middle of a capture."""
+    arena = MappedArena(pin=False, directory=str(tmp_path))
+    assert [len(bank) for bank in arena.banks] == [1, 1] and len(arena.mapped) == 2
+    arena.put({"token_ids": torch.arange(4)})
+    arena.next_round()
+    arena.put({"token_ids": torch.arange(4)})
+    assert len(arena.mapped) == 2
+
+
 def test_a_round_stays_readable_while_the_next_is_recorded(tmp_path):
     """capture_batches reads one round's states while the engine records the next: the mapped slabs take turns in
     two banks, so the round before is intact until the round after the next one."""

@@ -246,6 +246,31 @@ def test_after_04_rewinds_the_missing_positions_go_first_even_in_a_full_window(t
     assert sorted(transport.sizes()) == [4, 5]
 
 
+def test_a_batch_in_flight_is_not_chosen_again_and_holds_its_room(tmp_path, through):
+    """02 asks for its next batch while the one before is still being captured (capture_batches): those positions
+    are reserved until put and counted against the share, and an ask without waiting answers None where only
+    that batch's put (and 04 reading it) can make room."""
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}", *through])
+    transport = open_transport(config, "run", 1 << 10, lend_bytes=1 << 20)
+    settings = config.capture.stream.model_copy(update={"window_gb": 300 / 1e9})  # room for three 100-byte items
+    producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
+    transport.write_record(CONSUMER, {"next": 0, "end": 12, "packs_per_step": 1, "time": 1, "stream": "run"})
+
+    def ask(wait: bool):
+        return producer.next_positions(lambda p: (p,), lambda pack: 100, 2, wait=wait)
+
+    assert ask(wait=True) == [0, 1]
+    assert ask(wait=False) == [2]
+    assert ask(wait=False) is None  # the share is reserved whole
+    for position in (0, 1):
+        producer.put(position, b"x" * 100, 1)
+    assert ask(wait=False) is None  # held now, until 04 reads them
+    transport.write_record(CONSUMER, {"next": 2, "end": 12, "packs_per_step": 1, "time": 2, "stream": "run"})
+    assert ask(wait=False) == [3, 4]  # 0 and 1 read (deleted); 2 still in flight
+    producer.put(2, b"x" * 100, 1)
+    assert sorted(transport.sizes()) == [2] and ask(wait=False) is None
+
+
 def test_every_transport_the_config_names_is_registered_and_implements_the_interface():
     """A transport is one module behind `stream.Transport`: the config's choices and the registry agree, and each
     registered class has every member the interface names."""
