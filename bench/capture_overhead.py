@@ -12,7 +12,9 @@ generated token each, as 02 does:
     capture                      02's capturer (capture/engine.py): states in the main process, as 02 receives
                                  them before it writes shards, each batch read while the next is prefilled
 Tokens/s per engine (wall clock of the batches, engine start excluded), capture's time over each plain one, and
-where the capture's time went (prefills; reading the states, and the part of it no prefill hid).
+where the capture's time went (prefills; reading the states, and the part of it no prefill hid; for the worker
+extension the worker's own account: `worker_steps`, host seconds recording steps and handing rounds over, and on
+a GPU the device seconds of the forwards and of the copies out, from CUDA events).
 """
 
 from __future__ import annotations

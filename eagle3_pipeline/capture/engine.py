@@ -15,11 +15,12 @@ batch, a thread reads the states of the batch before into this process.
 
 from __future__ import annotations
 
+import collections
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,14 +48,18 @@ class Capturer(Protocol):
 @dataclass
 class CaptureSeconds:
     """Where a capturer's time went: the engine's prefills (its worker's per-step recording included), reading
-    the states into this process, and the part of that reading the next prefill did not hide."""
+    the states into this process, and the part of that reading the next prefill did not hide; for the worker
+    extension also the worker's own account of the prefills (worker.py's StepTimer: forwards, recording, copies)."""
 
     prefill: float = 0.0
     collect: float = 0.0
     waited: float = 0.0
+    worker: collections.Counter = field(default_factory=collections.Counter)
 
-    def record(self) -> dict[str, float]:
-        return {name: round(value, 3) for name, value in asdict(self).items()}
+    def record(self) -> dict:
+        parts = {"prefill": self.prefill, "collect": self.collect, "waited": self.waited}
+        worker = {f"worker_{part}": seconds for part, seconds in self.worker.items()}
+        return {name: round(value, 3) for name, value in (parts | worker).items()}
 
 
 class OverlappedCapture:
@@ -193,7 +198,9 @@ class WorkerExtensionCapturer(OverlappedCapture):
 
     def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str]]:
         outputs = self._generated(prompts)
-        return outputs, self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0]
+        captured = self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0]
+        self.seconds.worker.update(self.llm.collective_rpc("capture_seconds")[0])
+        return outputs, captured
 
     def _collect(self, prefilled: tuple[list, dict[str, str]]) -> list[CapturedStates]:
         from eagle3_pipeline.capture.handover import load_captured

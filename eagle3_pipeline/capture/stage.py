@@ -231,8 +231,15 @@ def capture_shards(stage: Stage, config: RunConfig, capturer, hidden_size: int, 
 
 def time_split(seconds) -> str:
     """Where a capture's time went (capture/engine.py's CaptureSeconds), in words."""
-    return (f"prefills {seconds.prefill:.1f} s, reading the states {seconds.collect:.1f} s, of which "
+    said = (f"prefills {seconds.prefill:.1f} s, reading the states {seconds.collect:.1f} s, of which "
             f"{seconds.waited:.1f} s not hidden behind a prefill")
+    worker = seconds.worker
+    if worker:
+        device = (f"; on the GPU, forwards {worker['forward_device']:.1f} s and copies out "
+                  f"{worker['copy_device']:.1f} s" if "forward_device" in worker else "")
+        said += (f" (the worker: {worker['steps']} steps, recording {worker['record_host']:.1f} s and handing over "
+                 f"{worker['pop_host']:.1f} s of host time{device})")
+    return said
 
 
 def open_stream_transport(stage: Stage, config: RunConfig, per_token: int, publish: bool, num_shards: int):

@@ -38,7 +38,10 @@ dense models on 0.26, for every model from 0.29).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,8 @@ class HiddenStateCapture:
             self._capture_final: torch.Tensor | None = None
             self._capture_arena: MappedArena | None = None
             self._capture_batch = StepBatch.follow(self.model_runner)
+            self._capture_timer = StepTimer()
+            model.register_forward_pre_hook(self._capture_timer.forward_started)
             _language_model(model).model.norm.register_forward_pre_hook(self._capture_norm_input, with_kwargs=True)
             model.register_forward_hook(self._capture_output, with_kwargs=True)
         self._capture_layer_ids = ids
@@ -84,6 +89,7 @@ class HiddenStateCapture:
     def pop_captured(self, directory: str) -> dict[str, str]:
         """Write what was recorded since the last call, one file per request; its path by vLLM's internal
         request id (`load_captured` pairs them with the request outputs)."""
+        started = time.perf_counter()
         chunks, self._capture_chunks = self._capture_chunks, {}
         Path(directory).mkdir(parents=True, exist_ok=True)
         arena = self._capture_arena
@@ -92,7 +98,14 @@ class HiddenStateCapture:
             arena.next_round()  # the main process reads this round while the next one fills the other bank
             chunks = {req_id: [(_first_position(arena, spec), spec) for (spec,) in parts]
                       for req_id, parts in chunks.items()}
-        return {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
+        written = {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
+        self._capture_timer.seconds["pop_host"] += time.perf_counter() - started
+        return written
+
+    def capture_seconds(self) -> dict[str, float]:
+        """Where the worker's capture time went since the last call (StepTimer), read once its copies have landed
+        (after `pop_captured`)."""
+        return self._capture_timer.pop()
 
     # ----------------------------------------------------------------------------------- inside the worker
     def _capture_norm_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -115,7 +128,8 @@ class HiddenStateCapture:
         batch = self._capture_batch.take()
         if self.rank == 0 and batch is not None:  # None: a dummy step (profiling, data-parallel padding)
             positions = inputs["positions"] if "positions" in inputs else args[1]
-            self._record_step(batch, aux_hidden_states, final, positions)
+            with self._capture_timer.recording(final.device, self._capture_arena):
+                self._record_step(batch, aux_hidden_states, final, positions)
         return hidden_states  # what the model runner expects without a draft
 
     def _record_step(self, batch: tuple[list[str], list[int], torch.Tensor], aux_hidden_states: list[torch.Tensor],
@@ -147,6 +161,51 @@ class HiddenStateCapture:
             begin, end = starts[i], starts[i + 1]
             if end > begin:
                 self._capture_chunks.setdefault(req_id, []).append(chunk(begin, end))
+
+
+class StepTimer:
+    """The worker's side of a capture's time: host seconds spent recording steps (`record_host`) and handing rounds
+    over (`pop_host`); on a GPU also the device seconds of the model's forwards (`forward_device`, from the
+    forward's start to the recording) and of the copies out to the mapped slabs (`copy_device`, on their side
+    stream, the staging on the compute stream included), from CUDA events read only once a round's copies have
+    landed, so timing adds no wait. `steps` counts the forwards."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.events: list[tuple[str, Any, Any]] = []  # (what, start, end) CUDA event pairs not yet read
+        self._forward_start = None
+
+    def forward_started(self, module: torch.nn.Module, args: tuple) -> None:
+        self.seconds["steps"] += 1
+        self._forward_start = self._event() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    @contextlib.contextmanager
+    def recording(self, device: torch.device, arena: MappedArena | None):
+        started = time.perf_counter()
+        if device.type == "cuda" and self._forward_start is not None:
+            self.events.append(("forward_device", self._forward_start, self._event()))
+        copies = device.type == "cuda" and arena is not None
+        if copies:  # from the forward's end (or the step before's copies) to this step's copies' end
+            arena.stream.wait_stream(torch.cuda.current_stream())
+            copy_start = self._event(arena.stream)
+        yield
+        if copies:
+            self.events.append(("copy_device", copy_start, self._event(arena.stream)))
+        self.seconds["record_host"] += time.perf_counter() - started
+
+    def pop(self) -> dict[str, float]:
+        for what, start, end in self.events:
+            end.synchronize()  # landed already where pop_captured has waited for the copies
+            self.seconds[what] += start.elapsed_time(end) / 1000
+        self.events.clear()
+        seconds, self.seconds = dict(self.seconds), collections.Counter()
+        return seconds
+
+    @staticmethod
+    def _event(stream=None):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
 
 
 def _first_position(arena: MappedArena, spec: dict) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle3_pipeline.capture.handover import ORPHAN_PREFIX, MappedArena, load_captured
-from eagle3_pipeline.capture.worker import HiddenStateCapture
+from eagle3_pipeline.capture.worker import HiddenStateCapture, StepTimer
 
 HIDDEN, NUM_AUX = 16, 3
 PROMPTS = {"a": list(range(100, 110)), "b": list(range(200, 204)), "c": list(range(300, 308))}
@@ -43,6 +43,7 @@ def fake_worker(device: torch.device, handover: str, num_aux: int, directory: st
     worker._capture_layer_ids, worker._capture_handover = tuple(range(num_aux)), handover
     worker._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
     worker.model_runner = SimpleNamespace(device=device)
+    worker._capture_timer = StepTimer()
     return worker
 
 

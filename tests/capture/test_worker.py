@@ -57,10 +57,11 @@ def smol(smollm2_dir, tmp_path_factory):
     with running_llm(smollm2_dir, worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False,
                      dtype="bfloat16", max_model_len=256, max_num_batched_tokens=32) as llm:
         source, captured = capture(llm, prompts, SMOL_IDS, tmp_path_factory.mktemp("hand_over"))
+        seconds = llm.collective_rpc("capture_seconds")[0]
         _, mapped = capture(llm, prompts, SMOL_IDS, tmp_path_factory.mktemp("mapped"), handover="mapped")
         with pytest.raises(Exception) as refusal:  # vLLM re-raises the worker's error in its own wrapper
             llm.collective_rpc("set_capture_layers", args=([27, 2],))
-    return prompts, source, captured, str(refusal.value), mapped
+    return prompts, source, captured, str(refusal.value), mapped, seconds
 
 
 def test_smollm2_states_match_transformers(smol, smollm2_dir):
@@ -88,10 +89,18 @@ def test_worker_refuses_bad_layer_ids(smol):
 def test_mapped_hand_over_across_processes_equals_pageable(smol):
     """The engine's worker process writes the mapped slabs, this process reads them: the same prompts' states
     are the pageable hand-over's (CPU's default) bit for bit, chunked prefill included."""
-    _, _, pageable, _, mapped = smol
+    _, _, pageable, _, mapped, _ = smol
     for ours, reference in zip(mapped, pageable, strict=True):
         assert ours.keys() == reference.keys()
         assert all(torch.equal(ours[name], reference[name]) for name in reference)
+
+
+def test_the_worker_says_where_its_capture_time_went(smol):
+    """capture_seconds after a round: the prompts' 43 + 6 tokens at 32 a step are two forwards, each recorded, and
+    the hand-over; no device times on CPU."""
+    seconds = smol[-1]
+    assert seconds["steps"] == 2 and seconds["record_host"] > 0 and seconds["pop_host"] > 0
+    assert not {"forward_device", "copy_device"} & set(seconds)
 
 
 # ------------------------------------------------------------- tiny Kimi-K2.5 with the vLLM 0.16 classes
