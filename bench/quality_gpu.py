@@ -67,8 +67,9 @@ LEVERS: dict[str, list[str]] = {
     "mla": [*MLA_HEADS, "draft.q_lora_rank=64"],
     "mla-eagle3.1": [*MLA_HEADS, "draft.q_lora_rank=64", "draft.fc_norm=true", "draft.norm_output=true",
                      "train.standardize_aux=false"],
-    # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03
-    "full-vocab": ["draft.draft_vocab_size={target_vocab}"],
+    # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03; the loss a chunk
+    # of rows at a time (the same values), so that its [rows, vocab] float32 logits do not crowd the GPU it shares
+    "full-vocab": ["draft.draft_vocab_size={target_vocab}", "train.loss_chunk_rows=1024"],
 }
 SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()

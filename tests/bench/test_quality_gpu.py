@@ -24,7 +24,8 @@ def test_draft_jobs_cover_curve_seeds_and_levers():
     assert levers == set(LEVERS)  # every lever is a setting this checkout's config schema has
     assert all(f"{lever}-640-s1" in jobs for lever in LEVERS)
     assert jobs["lr-warmup5pc-cosine-to-0-640-s0"][3][0] == "train.warmup_steps=32"  # 5% of the largest budget
-    assert jobs["full-vocab-640-s0"][3] == ["draft.draft_vocab_size=49152"]  # SmolLM2's whole vocabulary
+    assert jobs["full-vocab-640-s0"][3] == ["draft.draft_vocab_size=49152",  # SmolLM2's whole vocabulary
+                                            "train.loss_chunk_rows=1024"]
 
 
 def test_seeds_and_levers_without_the_curve():
