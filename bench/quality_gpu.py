@@ -93,7 +93,8 @@ class Bench:
         self.report = cached(self.out) or {}
         command = "python -m bench.quality_gpu " + " ".join(sys.argv[1:])
         self.report.setdefault("commands", []).append(command)  # a rerun adds to the work of earlier ones
-        self.report.update({"config": str(args.config), "curve_steps": args.curve_steps, "k": K})
+        self.report.update({"config": str(args.config), "curve_steps": args.curve_steps, "k": K,
+                            "target": self.config.target.stand_in or self.config.target.path, "gpu": gpu_name()})
         self.report.setdefault("drafts", {})
 
     def record(self, key: str, value, within: str | None = None) -> None:
@@ -101,6 +102,12 @@ class Bench:
         with LOCK:
             (self.report[within] if within else self.report)[key] = value
             save(self.out, self.report)
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
 
 
 # ----------------------------------------------------------------------------------------------------- data
