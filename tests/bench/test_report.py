@@ -10,7 +10,7 @@ from bench.report import RENDERERS
 from tests.conftest import ROOT
 
 RESULTS = {"quality": "quality", "quality_gpu": "quality_gpu", "quality_gpu_muon": "quality_gpu",
-           "quality_gpu_levers": "quality_gpu"}
+           "quality_gpu_levers": "quality_gpu", "quality_gpu_kimi": "quality_gpu"}
 
 
 @pytest.mark.parametrize("result", sorted(RESULTS))
