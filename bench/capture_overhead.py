@@ -85,7 +85,7 @@ def main() -> None:
         open_capturer,
     )
     from eagle3_pipeline.data.vision import Vision
-    from eagle3_pipeline.engine import start_engine
+    from eagle3_pipeline.engine import start_engine, text_only_settings
 
     overrides = args.set + ([f"capture.method={args.method}"] if args.method else [])
     config = load_config(args.config, overrides)
@@ -95,15 +95,16 @@ def main() -> None:
     samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"][: args.max_samples]
     tokens, batch_size = sum(len(s.input_ids) for s in samples), config.capture.batch_size
     capturer_class = ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer
+    text_only = not any(s.images for s in samples)  # as 02 starts its engine
     rows = {}
     for name, settings in plain_engines(config, capturer_class.ENGINE_SETTINGS).items():
-        llm = start_engine(config.target, model_dir, **settings)
-        vision = Vision.of_engine(llm, model_dir)
+        llm = start_engine(config.target, model_dir, **settings, **text_only_settings(text_only))
+        vision = None if text_only else Vision.of_engine(llm, model_dir)
         seconds = timed_batches(samples, batch_size, lambda batch: llm.generate(*_prompts(batch, vision), use_tqdm=False))
         rows[name] = {"settings": {"enforce_eager": config.target.engine.enforce_eager} | settings,
                       "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
         shut_down(llm)
-    capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]))
+    capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]), text_only)
     seconds = timed_batches(samples, batch_size, capturer.capture,
                             lambda batches: collections.deque(capturer.capture_batches(batches), maxlen=0))
     rows["capture"] = {"method": method, "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds,

@@ -56,6 +56,17 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
         return LLM(**settings)
 
 
+def text_only_settings(text_only: bool) -> dict[str, Any]:
+    """`vllm.LLM` keywords for an engine whose prompts carry no images (`text_only`): a multimodal target's encoders
+    are neither loaded nor profiled at start (Kimi-K2.5's MoonViT tower and its encoder cache). vLLM's
+    `language_model_only` (0.26 and 0.32 have it, 0.16 does not: there the engine starts as before); a text-only
+    target ignores it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = "language_model_only" in EngineArgs.__dataclass_fields__
+    return {"language_model_only": True} if text_only and known else {}
+
+
 def speculative_config(draft_dir: Path, k: int) -> dict:
     """vLLM's `speculative_config` serving the EAGLE-3 draft folder `draft_dir` (either export format) with k
     speculative tokens: what 06 measures, 05's serving command prints and 01 regenerates with."""

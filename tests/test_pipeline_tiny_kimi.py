@@ -51,6 +51,8 @@ def test_the_numbered_scripts_run_the_tiny_kimi_from_chats_to_served_draft(tmp_p
         manifests[spec.name], outputs[spec.name] = read_manifest(run_dir / spec.name), result.stdout
         assert manifests[spec.name] is not None and manifests[spec.name]["stage"] == spec.name
 
+    assert "capture path: worker_extension" in outputs["02_hidden_states"]  # the image chat needs the vision tower
+    assert ", text only" not in outputs["02_hidden_states"]
     data = manifests["01_data"]["counts"]
     stats = read_stats(run_dir / "01_data")
     assert data["train_samples"] + data["eval_samples"] + data["skipped"] == 33 and data["eval_samples"] >= 1

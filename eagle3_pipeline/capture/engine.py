@@ -29,7 +29,7 @@ from packaging.version import Version
 
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Prompt, Vision, request
-from eagle3_pipeline.engine import start_engine
+from eagle3_pipeline.engine import start_engine, text_only_settings
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import is_mla
 
@@ -146,7 +146,9 @@ REQUIRED_PATCHES = {
 }
 
 
-def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int]) -> Capturer:
+def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int],
+                  text_only: bool) -> Capturer:
+    """The capturer of `capture.method` on the target; `text_only`: no prompt carries images (text_only_settings)."""
     from patches import PatchError, require_applied
 
     method = choose_method(config.capture.method, text_config)
@@ -155,10 +157,10 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
     except PatchError as err:
         raise StageError(str(err)) from None
     num_layers = text_config["num_hidden_layers"]
-    print(f"capture path: {method} (vLLM {vllm_version()})")
+    print(f"capture path: {method} (vLLM {vllm_version()}){', text only' if text_only else ''}")
     if method == "extract_hidden_states":
-        return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers)
-    return WorkerExtensionCapturer(config, model_dir, aux_layer_ids)
+        return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers, text_only)
+    return WorkerExtensionCapturer(config, model_dir, aux_layer_ids, text_only)
 
 
 def _prompts(prompts: list[Prompt], vision: Vision | None):
@@ -178,7 +180,7 @@ class WorkerExtensionCapturer(OverlappedCapture):
     # the layers are chosen after the engine starts (eagle3_pipeline/capture/worker.py); prefixes must not be skipped
     ENGINE_SETTINGS = {"enforce_eager": True, "enable_prefix_caching": False}
 
-    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int]):
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], text_only: bool):
         from eagle3_pipeline.capture.worker import EXTENSION, check_runner_support
 
         try:  # before the weights load: nothing the runner lacks is found after minutes of loading
@@ -192,9 +194,10 @@ class WorkerExtensionCapturer(OverlappedCapture):
         # reordering, a copy of every state, is rarely needed
         self.column_of = None if self.captured_ids == list(aux_layer_ids) else [
             self.captured_ids.index(i) for i in aux_layer_ids]
-        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION, **self.ENGINE_SETTINGS)
+        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION, **self.ENGINE_SETTINGS,
+                                **text_only_settings(text_only))
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
-        self.vision = Vision.of_engine(self.llm, model_dir)
+        self.vision = None if text_only else Vision.of_engine(self.llm, model_dir)
 
     def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str]]:
         outputs = self._generated(prompts)
@@ -212,7 +215,7 @@ class WorkerExtensionCapturer(OverlappedCapture):
 class ExtractHiddenStatesCapturer(OverlappedCapture):
     ENGINE_SETTINGS = {"enable_prefix_caching": False}  # a cached prefix would not be prefilled, nor captured
 
-    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int):
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int, text_only: bool):
         from patches.vllm_cpu_hidden_states_connector import hidden_states_connector
 
         self.num_aux = len(aux_layer_ids)
@@ -231,8 +234,9 @@ class ExtractHiddenStatesCapturer(OverlappedCapture):
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": self.spool.name},
             },
+            **text_only_settings(text_only),
         )
-        self.vision = Vision.of_engine(self.llm, model_dir)
+        self.vision = None if text_only else Vision.of_engine(self.llm, model_dir)
 
     def _prefill(self, prompts: list[Prompt]) -> list[tuple[list[int], Any]]:
         return [(ids, output) for (ids, _), output in zip(prompts, self._generated(prompts))]

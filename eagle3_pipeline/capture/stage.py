@@ -123,7 +123,8 @@ def run(config: RunConfig, force: bool = False, shard_index: int = 0, num_shards
     print(f"shards: {len(plans)} in all, {len(mine)} for job {shard_index}/{num_shards}, {len(todo)} to capture")
     check_disk(stage, samples, todo, per_token, ignore_disk_check)
 
-    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text, aux_layer_ids))
+    text_only = not any(s.images for s in samples)  # no image encoder to load or profile
+    capturer = functools.cache(lambda: open_capturer_for(config, model_dir, text, aux_layer_ids, text_only))
     if todo:
         with stage.timed("capture"):
             capture_shards(stage, config, capturer(), hidden_size, todo, aux_layer_ids)
@@ -163,10 +164,10 @@ def open_stream(stage: Stage, layout: store.StatesLayout) -> None:
     stage.open_stream({**layout_record(layout), "pack_plan": plan_settings(stage.config)})
 
 
-def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int]):
+def open_capturer_for(config: RunConfig, model_dir: Path, text: dict, aux_layer_ids: list[int], text_only: bool):
     from eagle3_pipeline.capture.engine import open_capturer  # imports vLLM: only where it is needed
 
-    return open_capturer(config, model_dir, text, aux_layer_ids)
+    return open_capturer(config, model_dir, text, aux_layer_ids, text_only)
 
 
 def check_disk(stage: Stage, samples: list[Sample], todo: list[ShardPlan], per_token: int, ignore: bool) -> None:

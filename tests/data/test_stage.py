@@ -277,3 +277,28 @@ def test_a_text_only_target_skips_image_conversations_by_reason(tmp_path):
     stats = read_stats(tmp_path / "run" / "01_data")
     assert stats["skipped"] == {"images_unsupported": {"count": 1, "first_ids": ["mixed-1"]}}
     assert stats["train"]["samples"] == 1 and stats["train"]["image_tokens"] == 0
+
+
+@pytest.mark.parametrize("with_images", [False, True])
+def test_01_starts_the_target_text_only_unless_a_conversation_has_images(tmp_path, monkeypatch, with_images):
+    """A multimodal target's engine loads and profiles no vision tower when no prompt carries images
+    (tests/capture/test_stage.py checks that vLLM honours the setting)."""
+    from eagle3_pipeline.data import generate
+    from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
+
+    settings = {}
+
+    def recorded(target, model_dir, **llm_kwargs):
+        settings.update(llm_kwargs)
+        raise RuntimeError("engine start recorded")
+
+    monkeypatch.setattr(generate, "start_engine", recorded)
+    sources = [f"{{kind: file, name: {write_jsonl(tmp_path / 'kimi.jsonl', KIMI_RECORDS)}}}"]
+    if with_images:
+        sources.append(f"{{kind: file, name: {write_image_chat(tmp_path)}}}")
+    config = load_config(CONFIGS / "tiny_kimi.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"data.sources=[{', '.join(sources)}]", "data.eval_sources=[]",
+        "data.regenerate.enabled=true"])
+    with pytest.raises(RuntimeError, match="engine start recorded"):
+        prepare_data.run(config)
+    assert settings.get("language_model_only", False) is not with_images
