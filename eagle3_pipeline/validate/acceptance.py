@@ -30,7 +30,7 @@ from pathlib import Path
 from eagle3_pipeline.acceptance import AcceptanceCounts, read_counters
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Vision, request
-from eagle3_pipeline.engine import speculative_config, start_engine
+from eagle3_pipeline.engine import speculative_config, start_engine, text_only_settings
 from eagle3_pipeline.validate.request_steps import (
     RequestSteps,
     mean_request_acceptance_length,
@@ -215,8 +215,9 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
     settings = {"dtype": config.validate_.engine_dtype} if config.validate_.engine_dtype else {}
     if k:
         settings["speculative_config"] = speculative_config(export_dir, k)
+    text_only = not any(prompt.images for prompt in prompts)  # no vision tower to load or profile
     llm = start_engine(config.target, model_dir, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION,
-                       **settings)
+                       **settings, **text_only_settings(text_only))
     try:
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
         run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))
@@ -224,7 +225,7 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
             config_json = json.loads((export_dir / "config.json").read_text())
             record_weights(run, llm.collective_rpc(REPORT), flagged_norms(config_json), left_at_init(config_json))
         params = SamplingParams(temperature=0.0, max_tokens=config.validate_.max_tokens)
-        vision = Vision.of_engine(llm, model_dir)
+        vision = None if text_only else Vision.of_engine(llm, model_dir)
         for source in dict.fromkeys(p.source for p in prompts):
             indices = [i for i, p in enumerate(prompts) if p.source == source]
             requests = [request(prompts[i].token_ids, prompts[i].images, vision) for i in indices]

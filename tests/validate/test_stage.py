@@ -181,3 +181,27 @@ def test_validate_engine_dtype_runs_both_engines_in_it_and_makes_only_06_stale(m
     assert [settings.get("dtype") for settings in started] == ["float32", "float32", None, None]
     assert "speculative_config" in started[1] and "speculative_config" not in started[0]
     assert stages_made_stale_by("validate.engine_dtype") == ["06_validate"]
+
+
+def test_06_starts_the_target_text_only_unless_an_eval_prompt_has_images(monkeypatch, tmp_path):
+    import pytest
+
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.validate import acceptance
+
+    class Started(Exception):
+        pass
+
+    started = []
+
+    def start_engine(target, model_dir, **settings):
+        started.append(settings)
+        raise Started
+
+    monkeypatch.setattr(acceptance, "start_engine", start_engine)
+    config = load_config("configs/tiny_kimi.yaml", [])
+    text, picture = acceptance.EvalPrompt("mtbench", [1, 2]), acceptance.EvalPrompt("pictures", [1, 2], [b"png"])
+    for prompts in ([text], [text, picture]):
+        with pytest.raises(Started):
+            acceptance.serve(config, tmp_path, prompts, tmp_path / "export", 3)
+    assert [settings.get("language_model_only", False) for settings in started] == [True, False]
