@@ -85,7 +85,7 @@ def main() -> None:
         open_capturer,
     )
     from eagle3_pipeline.data.vision import Vision
-    from eagle3_pipeline.engine import start_engine, text_only_settings
+    from eagle3_pipeline.engine import start_engine
 
     overrides = args.set + ([f"capture.method={args.method}"] if args.method else [])
     config = load_config(args.config, overrides)
@@ -98,7 +98,7 @@ def main() -> None:
     text_only = not any(s.images for s in samples)  # as 02 starts its engine
     rows = {}
     for name, settings in plain_engines(config, capturer_class.ENGINE_SETTINGS).items():
-        llm = start_engine(config.target, model_dir, **settings, **text_only_settings(text_only))
+        llm = start_engine(config.target, model_dir, text_only=text_only, **settings)
         vision = None if text_only else Vision.of_engine(llm, model_dir)
         seconds = timed_batches(samples, batch_size, lambda batch: llm.generate(*_prompts(batch, vision), use_tqdm=False))
         rows[name] = {"settings": {"enforce_eager": config.target.engine.enforce_eager} | settings,

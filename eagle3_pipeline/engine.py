@@ -32,13 +32,15 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, **llm_kwargs: Any):
-    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides.
+def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | None = None, text_only: bool = False,
+                 **llm_kwargs: Any):
+    """A `vllm.LLM` on the target with the config's engine settings; `llm_kwargs` adds or overrides. `text_only`:
+    no prompt will carry images (`text_only_settings`).
 
     The engine's environment variables are set only while it is built: vLLM's engine and worker processes,
     spawned then, take their copy, and the next engine of this process starts from the caller's environment.
     """
-    settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs)
+    settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs, **text_only_settings(text_only))
     check_model_runner_choice({**os.environ, **environment})
     if serves_mla_draft(settings) and not is_mla(text_config(model_dir)):
         raise ConfigError("vLLM serves an MLA draft (draft.attention mla) only on an MLA target: "
@@ -61,10 +63,11 @@ def text_only_settings(text_only: bool) -> dict[str, Any]:
     are neither loaded nor profiled at start (Kimi-K2.5's MoonViT tower and its encoder cache). vLLM's
     `language_model_only` (0.26 and 0.32 have it, 0.16 does not: there the engine starts as before); a text-only
     target ignores it."""
+    if not text_only:
+        return {}
     from vllm.engine.arg_utils import EngineArgs
 
-    known = "language_model_only" in EngineArgs.__dataclass_fields__
-    return {"language_model_only": True} if text_only and known else {}
+    return {"language_model_only": True} if "language_model_only" in EngineArgs.__dataclass_fields__ else {}
 
 
 def speculative_config(draft_dir: Path, k: int) -> dict:

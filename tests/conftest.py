@@ -113,6 +113,22 @@ def real_kimi_tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
+class EngineStarted(Exception):
+    """Raised by `record_engine_starts`' stand-in for start_engine: the engine a stage asked for, not started."""
+
+
+def record_engine_starts(monkeypatch, module) -> list[dict]:
+    """Replace `module.start_engine` with a recorder that raises EngineStarted; returns the keywords of each call."""
+    started = []
+
+    def start_engine(target, model_dir, **settings):
+        started.append(settings)
+        raise EngineStarted
+
+    monkeypatch.setattr(module, "start_engine", start_engine)
+    return started
+
+
 def fabricate_prepared_data(config: RunConfig, model_dir: Path, chats: dict[str, list[list[dict]]]) -> None:
     """A finished 01_data stage holding `chats` (split -> conversations), tokenized with the target's template.
 

@@ -155,3 +155,21 @@ def test_without_vllm_here_the_command_is_the_newest_releases_and_a_note_names_0
     assert engine.installed_vllm() == (0, 32)
     assert engine.engine_settings(target, tmp_path, speculative_config=EAGLE3)[1] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert serving.serving_note(config, tmp_path / "export") is None  # the command itself carries it
+
+
+def test_a_text_only_engine_starts_without_the_targets_encoders_where_vllm_can(monkeypatch, tmp_path):
+    """start_engine's `text_only` reaches vLLM as `language_model_only` (the installed vLLM has it), and only then."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert "language_model_only" in EngineArgs.__dataclass_fields__
+    (tmp_path / "config.json").write_text(json.dumps({"num_key_value_heads": 3}))
+    seen = []
+
+    class FakeLLM:
+        def __init__(self, **settings):
+            seen.append(settings.get("language_model_only"))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    for text_only in (True, False):
+        engine.start_engine(TargetConfig(path=str(tmp_path)), tmp_path, text_only=text_only)
+    assert seen == [True, None]

@@ -29,7 +29,7 @@ from packaging.version import Version
 
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Prompt, Vision, request
-from eagle3_pipeline.engine import start_engine, text_only_settings
+from eagle3_pipeline.engine import start_engine
 from eagle3_pipeline.stage_io import StageError
 from eagle3_pipeline.target import is_mla
 
@@ -148,7 +148,7 @@ REQUIRED_PATCHES = {
 
 def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_layer_ids: list[int],
                   text_only: bool) -> Capturer:
-    """The capturer of `capture.method` on the target; `text_only`: no prompt carries images (text_only_settings)."""
+    """The capturer of `capture.method` on the target; `text_only`: no prompt carries images (start_engine)."""
     from patches import PatchError, require_applied
 
     method = choose_method(config.capture.method, text_config)
@@ -194,8 +194,8 @@ class WorkerExtensionCapturer(OverlappedCapture):
         # reordering, a copy of every state, is rarely needed
         self.column_of = None if self.captured_ids == list(aux_layer_ids) else [
             self.captured_ids.index(i) for i in aux_layer_ids]
-        self.llm = start_engine(config.target, model_dir, worker_extension_cls=EXTENSION, **self.ENGINE_SETTINGS,
-                                **text_only_settings(text_only))
+        self.llm = start_engine(config.target, model_dir, text_only=text_only, worker_extension_cls=EXTENSION,
+                                **self.ENGINE_SETTINGS)
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
         self.vision = None if text_only else Vision.of_engine(self.llm, model_dir)
 
@@ -222,7 +222,7 @@ class ExtractHiddenStatesCapturer(OverlappedCapture):
         self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")
         self.seconds = CaptureSeconds()
         self.llm = start_engine(
-            config.target, model_dir, **self.ENGINE_SETTINGS,
+            config.target, model_dir, text_only=text_only, **self.ENGINE_SETTINGS,
             # id num_layers is the last layer's output before the final norm
             speculative_config={
                 "method": "extract_hidden_states",
@@ -234,7 +234,6 @@ class ExtractHiddenStatesCapturer(OverlappedCapture):
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": self.spool.name},
             },
-            **text_only_settings(text_only),
         )
         self.vision = None if text_only else Vision.of_engine(self.llm, model_dir)
 

@@ -37,7 +37,7 @@ from eagle3_pipeline.data.chat_template import ChatTemplate
 from eagle3_pipeline.data.conversations import Conversation, InvalidConversation, Skips, image_sources
 from eagle3_pipeline.data.stats import GenerationFigures
 from eagle3_pipeline.data.vision import Vision, request
-from eagle3_pipeline.engine import speculative_config, start_engine, text_only_settings
+from eagle3_pipeline.engine import speculative_config, start_engine
 from eagle3_pipeline.stage_io import Stage, StageError
 
 CHUNK_DIR = "generated"
@@ -65,7 +65,7 @@ def generate_turns(stage: Stage, config: RunConfig, template: ChatTemplate, mode
         k = speculative.num_speculative_tokens if speculative else 0
         settings = {"speculative_config": speculative_config(Path(speculative.draft), k),
                     "disable_log_stats": False} if speculative else {}  # its spec-decode counters
-        llm = start_engine(config.target, model_dir, **settings, **text_only_settings(vision is None))
+        llm = start_engine(config.target, model_dir, text_only=vision is None, **settings)
         before = read_counters(llm.get_metrics(), k) if k else None
         for chunk in tqdm(missing, desc="generated chunks", unit="chunk"):
             records = _generate_chunk(llm, template, chunks[chunk], config, eval_ids, vision, figures)

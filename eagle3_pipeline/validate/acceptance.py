@@ -30,7 +30,7 @@ from pathlib import Path
 from eagle3_pipeline.acceptance import AcceptanceCounts, read_counters
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Vision, request
-from eagle3_pipeline.engine import speculative_config, start_engine, text_only_settings
+from eagle3_pipeline.engine import speculative_config, start_engine
 from eagle3_pipeline.validate.request_steps import (
     RequestSteps,
     mean_request_acceptance_length,
@@ -216,8 +216,8 @@ def serve(config: RunConfig, model_dir: Path, prompts: list[EvalPrompt], export_
     if k:
         settings["speculative_config"] = speculative_config(export_dir, k)
     text_only = not any(prompt.images for prompt in prompts)  # no vision tower to load or profile
-    llm = start_engine(config.target, model_dir, disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION,
-                       **settings, **text_only_settings(text_only))
+    llm = start_engine(config.target, model_dir, text_only=text_only, disable_log_stats=False,
+                       worker_extension_cls=WORKER_EXTENSION, **settings)
     try:
         largest_source = max(Counter(p.source for p in prompts).values(), default=0)  # submitted at once
         run = EngineRun(k, [[] for _ in prompts], Timing(concurrency=largest_source))

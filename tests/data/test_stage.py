@@ -19,7 +19,7 @@ from eagle3_pipeline.config import load_config
 from eagle3_pipeline.data import stage as prepare_data
 from eagle3_pipeline.data.dataset import read_stats
 from eagle3_pipeline.target import target_path
-from tests.conftest import CONFIGS, ROOT, run_python
+from tests.conftest import CONFIGS, ROOT, EngineStarted, record_engine_starts, run_python
 
 CONVERSATIONS = [
     [("system", "Answer in one line."), ("user", "Capital of France?"), ("assistant", "Paris.")],
@@ -282,23 +282,17 @@ def test_a_text_only_target_skips_image_conversations_by_reason(tmp_path):
 @pytest.mark.parametrize("with_images", [False, True])
 def test_01_starts_the_target_text_only_unless_a_conversation_has_images(tmp_path, monkeypatch, with_images):
     """A multimodal target's engine loads and profiles no vision tower when no prompt carries images
-    (tests/capture/test_stage.py checks that vLLM honours the setting)."""
+    (tests/test_engine.py: what start_engine makes of text_only; tests/capture/test_stage.py: that vLLM honours it)."""
     from eagle3_pipeline.data import generate
     from eagle3_pipeline.stand_ins.tiny_kimi import write_image_chat
 
-    settings = {}
-
-    def recorded(target, model_dir, **llm_kwargs):
-        settings.update(llm_kwargs)
-        raise RuntimeError("engine start recorded")
-
-    monkeypatch.setattr(generate, "start_engine", recorded)
+    started = record_engine_starts(monkeypatch, generate)
     sources = [f"{{kind: file, name: {write_jsonl(tmp_path / 'kimi.jsonl', KIMI_RECORDS)}}}"]
     if with_images:
         sources.append(f"{{kind: file, name: {write_image_chat(tmp_path)}}}")
     config = load_config(CONFIGS / "tiny_kimi.yaml", [
         f"run_dir={tmp_path / 'run'}", f"data.sources=[{', '.join(sources)}]", "data.eval_sources=[]",
         "data.regenerate.enabled=true"])
-    with pytest.raises(RuntimeError, match="engine start recorded"):
+    with pytest.raises(EngineStarted):
         prepare_data.run(config)
-    assert settings.get("language_model_only", False) is not with_images
+    assert [settings["text_only"] for settings in started] == [not with_images]

@@ -8,6 +8,7 @@ from eagle3_pipeline.config_sections import ValidateConfig
 from eagle3_pipeline.validate.acceptance import Divergence, EngineRun
 from eagle3_pipeline.validate.speed import Timing
 from eagle3_pipeline.validate.stage import dynamic_problems
+from tests.conftest import EngineStarted, record_engine_starts
 
 VALIDATE = ValidateConfig(min_acceptance_ratio=0.5, max_tie_margin=0.5)
 
@@ -163,20 +164,11 @@ def test_validate_engine_dtype_runs_both_engines_in_it_and_makes_only_06_stale(m
     from eagle3_pipeline.stage_io import stages_made_stale_by
     from eagle3_pipeline.validate import acceptance
 
-    class Started(Exception):
-        pass
-
-    started = []
-
-    def start_engine(target, model_dir, **settings):
-        started.append(settings)
-        raise Started
-
-    monkeypatch.setattr(acceptance, "start_engine", start_engine)
+    started = record_engine_starts(monkeypatch, acceptance)
     for dtype in ("float32", None):
         config = load_config("configs/demo.yaml", [f"validate.engine_dtype={dtype or 'null'}"])
         for k in (0, 3):
-            with pytest.raises(Started):
+            with pytest.raises(EngineStarted):
                 acceptance.serve(config, tmp_path, [], tmp_path / "export", k)
     assert [settings.get("dtype") for settings in started] == ["float32", "float32", None, None]
     assert "speculative_config" in started[1] and "speculative_config" not in started[0]
@@ -189,19 +181,10 @@ def test_06_starts_the_target_text_only_unless_an_eval_prompt_has_images(monkeyp
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.validate import acceptance
 
-    class Started(Exception):
-        pass
-
-    started = []
-
-    def start_engine(target, model_dir, **settings):
-        started.append(settings)
-        raise Started
-
-    monkeypatch.setattr(acceptance, "start_engine", start_engine)
+    started = record_engine_starts(monkeypatch, acceptance)
     config = load_config("configs/tiny_kimi.yaml", [])
     text, picture = acceptance.EvalPrompt("mtbench", [1, 2]), acceptance.EvalPrompt("pictures", [1, 2], [b"png"])
     for prompts in ([text], [text, picture]):
-        with pytest.raises(Started):
+        with pytest.raises(EngineStarted):
             acceptance.serve(config, tmp_path, prompts, tmp_path / "export", 3)
-    assert [settings.get("language_model_only", False) for settings in started] == [True, False]
+    assert [settings["text_only"] for settings in started] == [True, False]
