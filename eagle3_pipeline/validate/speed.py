@@ -135,6 +135,11 @@ def mean_or_none(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def worker_means_ms(group) -> dict[str, float]:
+    """Each timed worker call's mean in ms, by name (`execute_model`, `propose@host`, ...)."""
+    return {name: statistics.fmean(seconds) * 1e3 for name, seconds in sorted(group.worker_s.items()) if seconds}
+
+
 def decode_step(group) -> float | None:
     """A phase's measured wall time per decode step (`acceptance.GroupedRequests`): its groups' decode spans over
     their decode steps. Without a draft this is the target step T; with it, the cycle."""
@@ -205,6 +210,9 @@ def phase_speed(group, plain_group, k: int) -> dict:
         "host_engine_step_ms": ms(mean_or_none(group.host_engine_steps_s)),
         "plain_host_engine_step_ms": ms(mean_or_none(plain_group.host_engine_steps_s)) if plain_group else None,
         "measured_outside_step_ms": ms(cycle - engine_step) if cycle and engine_step else None,
+        # every timed worker call's mean, by name and clock (decode and prefill steps), with the draft and without it
+        "worker_mean_ms": worker_means_ms(group),
+        "plain_worker_mean_ms": worker_means_ms(plain_group) if plain_group else None,
         "predicted_speedup": predicted,
         "measured_speedup": group.timing.tokens_per_s / plain_group.timing.tokens_per_s if plain_group else None,
     }

@@ -204,6 +204,9 @@ def test_speed_report_fills_the_model_from_each_engines_own_clocks():
     assert speed["cycle_ms"] == pytest.approx((1.0 - 0.12) / 50 * 1e3)
     assert speed["engine_step_ms"] == pytest.approx(18.0)
     assert speed["measured_outside_step_ms"] == pytest.approx(speed["cycle_ms"] - 18.0)
+    # each timed call's mean, by name, for both engines: the parts the model reads and the ones it does not
+    assert speed["worker_mean_ms"]["propose"] == pytest.approx(6.0)
+    assert speed["plain_worker_mean_ms"].keys() == PLAIN_WORKER.keys()
     # no prediction without a run without the draft, nor without its engine steps
     assert speed_report(drafted, None)["by_concurrency"]["1"]["predicted_speedup"] is None
     untimed = engine_run(0, tokens_per_s=100, worker_s={}, accepted=0, drafts=0, first_token_s=0.01)
