@@ -219,7 +219,7 @@ def run_job(job: Job, out: Path, work: Path, results: dict) -> None:
             record["validate"]["runs"] = [{k: r.get(k) for k in VALIDATE_RUN_KEYS} for r in report.get("runs", [])]
         for manifest in (run_dir / name).glob("manifest.json"):
             stage["manifest"] = {k: v for k, v in json.loads(manifest.read_text()).items()
-                                 if k in ("counts", "timings", "extra", "versions")}
+                                 if k in ("counts", "timings_s", "extra", "versions")}
         save_results(out, results)
         if stage["exit"] != 0:
             break
