@@ -12,7 +12,8 @@ Phases (each skips the work a rerun finds complete; `--phases` picks some):
              MATH500, BFCL where the target's template renders tools)
     train    the curve (our trainer and `speculators train` at each of --curve-steps, seed 0: speculators gets the
              tokens ours trains on at that step count, same batch shape), seeds 1 and 2 at the largest point, and
-             each lever of LEVERS at the largest point (ours, --lever-seeds); --parallel trainings share the GPU. Every
+             each lever of LEVERS (ours) and THEIR_LEVERS (speculators' own layouts) at the largest point
+             (--lever-seeds); --parallel trainings share the GPU. Every
              draft is scored by one shared evaluator on the GPU (bench/draft_eval.py: 04's simulated acceptance
              length per eval benchmark at k=3, teacher-forced accuracies)
     regen    01's regeneration of --regen-conversations magpie conversations at 01's concurrency, without and
@@ -70,6 +71,13 @@ LEVERS: dict[str, list[str]] = {
     # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03; the loss a chunk
     # of rows at a time (the same values), so that its [rows, vocab] float32 logits do not crowd the GPU it shares
     "full-vocab": ["draft.draft_vocab_size={target_vocab}", "train.loss_chunk_rows=1024"],
+}
+# speculators' trainer in its own layouts, like with like for ours: `speculators train` flags added to the defaults
+# it trains with otherwise
+THEIR_LEVERS: dict[str, list[str]] = {
+    # EAGLE 3.1's per-layer norms of the aux states before fc (its `--fc-norm`, which excludes its default single
+    # norm over their concatenation); its norm_output is on already by default
+    "speculators.eagle3.1": ["--fc-norm", "--no-norm-before-fc"],
 }
 SERVE_MEMORY_SHARE = 0.2  # of the GPU's memory that each of the serve phase's (up to 4) engines checks is free
 LOCK = threading.Lock()
@@ -136,11 +144,15 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
         jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, [])
                  for seed in ((1, 2) if "curve" in args.jobs else (0, 1, 2)) for trainer in ("ours", "speculators")]
     asked = dict(lever_seeds(item, args.lever_seeds) for item in args.levers or [])
-    for lever in asked or LEVERS:  # in the order asked
+    for lever in asked or [*LEVERS, *THEIR_LEVERS]:  # in the order asked
         if "levers" not in args.jobs:
             break
+        if lever in THEIR_LEVERS:
+            jobs += [(f"{lever}-{largest}-s{seed}", "speculators", largest, seed, THEIR_LEVERS[lever])
+                     for seed in asked.get(lever, args.lever_seeds)]
+            continue
         if lever not in LEVERS:
-            raise SystemExit(f"--levers {lever}: not one of {', '.join(LEVERS)}")
+            raise SystemExit(f"--levers {lever}: not one of {', '.join([*LEVERS, *THEIR_LEVERS])}")
         overrides = [o.format(**lever_values(args, largest, LEVERS[lever])) for o in LEVERS[lever]]
         try:
             load_config(args.config, overrides)
@@ -204,7 +216,7 @@ def phase_train(bench: Bench) -> None:
                                                  f"train.seed={seed}"])
                 dataset.join()
                 record = train_speculators(args, bench.clock, bench.shared, seed, our_token_budget(ours), config,
-                                           name="speculators")
+                                           name=name.removesuffix(f"-{steps}-s{seed}"), extra=extra)
             record["shared_eval"] = evaluated(record, rows, config, [K], device=device)
         except Exception as err:  # noqa: BLE001 - one failed draft is reported, the others go on
             record = {"error": repr(err)[-2000:]}
@@ -307,7 +319,7 @@ def parse_args():
     arguments.add_argument("--out", type=Path, default=Path("bench/results"))
     arguments.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                            help="our optimizer steps (one 8192-row pack each) at each curve point")
-    arguments.add_argument("--levers", nargs="*", help=f"of {', '.join(LEVERS)} (default: all this checkout has); "
+    arguments.add_argument("--levers", nargs="*", help=f"of {', '.join([*LEVERS, *THEIR_LEVERS])} (default: all this checkout has); "
                            "NAME@0,1,2 trains that lever at those seeds instead of --lever-seeds")
     arguments.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"],
                            choices=["curve", "seeds", "levers"],

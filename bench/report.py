@@ -355,7 +355,9 @@ class GpuReport:
         if not levers:
             return []
         mean = lambda runs: statistics.fmean(map(self.mean_of_sources, runs))  # noqa: E731
-        lines = ["", f"## Levers at {self.largest} steps (ours; one setting moved from {self.config})", "",
+        trainers = ("ours; `speculators.*`: speculators' trainer with those flags" if any(
+            lever.startswith("speculators.") for lever in levers) else "ours")
+        lines = ["", f"## Levers at {self.largest} steps ({trainers}; one setting moved from {self.config})", "",
                  *head(["lever", "seeds", "overrides", *self.sources, "mean of benchmarks", "vs ours, same seeds",
                         "vs speculators' mean (every seed above it)"])]
         theirs = mean(self.seeds["speculators"]) if "speculators" in self.seeds else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.quality_gpu import CONFIG, LEVERS, draft_jobs
+from bench.quality_gpu import CONFIG, LEVERS, THEIR_LEVERS, draft_jobs
 from bench.report import quality_gpu_markdown as markdown
 from eagle3_pipeline.acceptance import metric_key
 
@@ -21,8 +21,10 @@ def test_draft_jobs_cover_curve_seeds_and_levers():
         assert [jobs[f"{trainer}-{s}-s0"][1] for s in (40, 160, 320, 640)] == [40, 160, 320, 640]
         assert {jobs[f"{trainer}-640-s{seed}"][2] for seed in (0, 1, 2)} == {0, 1, 2}
     levers = {name.removesuffix("-640-s0") for name, (_, steps, seed, extra) in jobs.items() if extra and seed == 0}
-    assert levers == set(LEVERS)  # every lever is a setting this checkout's config schema has
-    assert all(f"{lever}-640-s1" in jobs for lever in LEVERS)
+    assert levers == set(LEVERS) | set(THEIR_LEVERS)  # every lever of ours is a setting this checkout's schema has
+    assert {jobs[f"{lever}-640-s0"][0] for lever in LEVERS} == {"ours"}
+    assert jobs["speculators.eagle3.1-640-s0"][0] == "speculators"
+    assert all(f"{lever}-640-s1" in jobs for lever in [*LEVERS, *THEIR_LEVERS])
     assert jobs["lr-warmup5pc-cosine-to-0-640-s0"][3][0] == "train.warmup_steps=32"  # 5% of the largest budget
     assert jobs["full-vocab-640-s0"][3] == ["draft.draft_vocab_size=49152",  # SmolLM2's whole vocabulary
                                             "train.loss_chunk_rows=1024"]
@@ -41,6 +43,17 @@ def test_a_lever_can_name_its_own_seeds():
                               jobs=["levers"])
     assert [name for name, *_ in draft_jobs(args)] == ["eagle3.1-640-s0", "eagle3.1-640-s1", "eagle3.1-640-s2",
                                                        "fp8-640-s0"]
+
+
+def test_speculators_own_eagle3_1_layout_is_what_its_cli_parses_as_eagle3_1():
+    from speculators.train.config.schema import TrainConfig
+
+    required = ["--verifier-name-or-path", "target", "--data-path", "data", "--save-path", "out"]
+    defaults = TrainConfig.resolve(required).draft
+    theirs = TrainConfig.resolve(required + THEIR_LEVERS["speculators.eagle3.1"]).draft
+    # EAGLE 3.1: a norm per aux layer instead of one over their concatenation; the output norm as by default
+    assert (defaults.fc_norm, defaults.norm_before_fc, defaults.norm_output) == (False, True, True)
+    assert (theirs.fc_norm, theirs.norm_before_fc, theirs.norm_output) == (True, False, True)
 
 
 def test_unknown_lever_setting_is_skipped(monkeypatch, capsys):
@@ -76,6 +89,13 @@ def test_report_targets_against_hand_computation():
     # 2.5 / 2.565 - 1 = -2.5%; against speculators' mean 2.5: +0.0%, and seed 0 (2.0) is not above it
     assert ("| fp8 | 0,1 | `train.fp8=true` | 2.500 [2.000, 3.000] | 2.500 [2.000, 3.000] | 2.500 [2.000, 3.000] "
             "| -2.5% | +0.0% (no) |") in text
+    assert "## Levers at 640 steps (ours; one setting" in text
+    # speculators' trainer in its own EAGLE 3.1 layout is a lever too, named as such
+    report["drafts"]["speculators.eagle3.1-640-s0"] = _draft(600, dict.fromkeys(sources, 2.6), 0,
+                                                              THEIR_LEVERS["speculators.eagle3.1"])
+    text = markdown(report)
+    assert "(ours; `speculators.*`: speculators' trainer with those flags; one setting" in text
+    assert "| speculators.eagle3.1 | 0 | `--fc-norm --no-norm-before-fc` | 2.600 | 2.600 | 2.600 | +2.8% | +4.0% (yes) |" in text
 
 
 def test_shipped_config_loads():
