@@ -302,6 +302,7 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     first = next(waiting, None)  # the engine starts only if 04 asks for anything
     for states in [] if first is None else capturer().capture_batches(itertools.chain([first], waiting)):
         positions, batch = in_flight.popleft()
+        producer.batch_captured()
         captured = iter(checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
         for position in positions:
             epoch, _ = packs.locate(position)
@@ -317,8 +318,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
         return None
     totals = producer.totals()
     transport.end_stream()
-    print(f"stream: captured {totals['packs']:,} packs, {totals['tokens']:,} tokens; the jobs waited "
-          f"{totals['waited_s']:.1f} s in all for 04")
+    print(f"stream: captured {totals['packs']:,} packs in {totals['batches']:,} engine calls, {totals['tokens']:,} "
+          f"tokens; the jobs waited {totals['waited_s']:.1f} s in all for 04")
     return totals
 
 

@@ -32,7 +32,8 @@ class Producer:
         self.share = share_bytes(settings, num_shards)
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
-        self.counts = {"packs": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0}
+        # batches: the engine's capture calls, each of one or more packs (their per-call cost is paid per batch)
+        self.counts = {"packs": 0, "batches": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0}
         # positions chosen but not yet put (a batch still being captured), with their estimated bytes: not chosen
         # again, and counted against the share
         self.reserved: dict[int, int] = {}
@@ -151,6 +152,9 @@ class Producer:
                          "04_train to consume", self._consumer_progress,
                          "04_train is not consuming: start it, or rerun it with --resume; rerun this job after")
 
+    def batch_captured(self) -> None:
+        self.counts["batches"] += 1
+
     def finish(self) -> bool:
         """Delete what is left of this job's items; True when every job of the stream has finished."""
         for position in self.transport.sizes():
@@ -165,4 +169,4 @@ class Producer:
         """Counters summed over every job's record."""
         records = [self.transport.read_record(producer_record(i, self.num_shards)) or {}
                    for i in range(self.num_shards)]
-        return {key: sum(r.get(key, 0) for r in records) for key in ("packs", "tokens", "bytes", "waited_s")}
+        return {key: sum(r.get(key, 0) for r in records) for key in ("packs", "batches", "tokens", "bytes", "waited_s")}

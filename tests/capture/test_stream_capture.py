@@ -172,6 +172,8 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
     assert WINDOW_BYTES <= streamed_bytes / 5
     assert 0 < most_held <= WINDOW_BYTES
     assert capture["counts"]["stream"]["packs"] >= 12 and not list((run_dir / "02_hidden_states" / "stream").glob("pack_*"))
+    # the engine captured them in batches of one or more packs (each one capture call)
+    assert 1 <= capture["counts"]["stream"]["batches"] <= capture["counts"]["stream"]["packs"]
     worst = assert_same_training(run_dir, offline, rel=1e-4)
     print(f"per-step loss, streamed vs offline: max relative difference {worst:.2e}")
     assert trained_on(run_dir) == trained_on(offline)
