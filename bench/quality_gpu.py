@@ -319,7 +319,8 @@ def parse_args():
     arguments.add_argument("--out", type=Path, default=Path("bench/results"))
     arguments.add_argument("--curve-steps", type=int, nargs="+", default=[40, 160, 320, 640],
                            help="our optimizer steps (one 8192-row pack each) at each curve point")
-    arguments.add_argument("--levers", nargs="*", help=f"of {', '.join([*LEVERS, *THEIR_LEVERS])} (default: all this checkout has); "
+    arguments.add_argument("--levers", nargs="*",
+                           help=f"of {', '.join([*LEVERS, *THEIR_LEVERS])} (default: all this checkout has); "
                            "NAME@0,1,2 trains that lever at those seeds instead of --lever-seeds")
     arguments.add_argument("--jobs", nargs="+", default=["curve", "seeds", "levers"],
                            choices=["curve", "seeds", "levers"],

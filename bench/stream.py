@@ -96,7 +96,8 @@ def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
               "train_stage_s": round(train_s, 1), **training_figures(run_dir)}
     if not stream:
         return result | {"bytes_on_disk": counts["bytes_on_disk"]}
-    return result | {"capture_waited_s": counts["stream"]["waited_s"], "capture_batches": counts["stream"].get("batches"),
+    return result | {"capture_waited_s": counts["stream"]["waited_s"],
+                     "capture_batches": counts["stream"].get("batches"),
                      "capture_wait_frac": counts["stream"]["waited_s"] / capture_s,
                      "streamed_bytes": counts["stream"]["bytes"], "most_held_bytes": peak[0],
                      "window_bytes": int(args.window_gb * 1e9)}
