@@ -8,7 +8,9 @@ one and the predicted against the measured speed-up (eagle3_pipeline/validate/sp
 
 Each repeat is `06_validate.py --force` with the overrides: both engines started afresh, so the repeats show how
 much the measured speed-up itself moves from run to run on the machine, against how far the model misses each.
-A report is 06's report.json, or bench.gpu_pipeline's JSON (each job's 06 report).
+A report is 06's report.json, or bench.gpu_pipeline's JSON (each job's 06 report). Each row's prediction is the
+current model's, from the report's measured parts (`current_model`): a report written before 06 took the time
+outside the worker's step on the host's clock is predicted again, its own prediction kept beside.
 """
 
 from __future__ import annotations
@@ -30,9 +32,33 @@ def reports_in(path: Path) -> list[tuple[str, dict]]:
     """The 06 reports a file holds, each with a label: 06's report.json, or each job's of a gpu_pipeline result."""
     data = json.loads(path.read_text())
     if "runs" in data:
-        return [(path.parent.parent.name or str(path), data)]
+        return [((path.parent.parent.name if path.name == "report.json" else path.stem) or str(path), data)]
     return [(job, result["validate"]) for job, result in data.items()
             if isinstance(result, dict) and isinstance(result.get("validate"), dict) and "runs" in result["validate"]]
+
+
+def current_model(report: dict, phase: str, figures: dict) -> dict:
+    """A phase's time outside the worker's step, model cycle and predicted speed-up as 06 takes them now: the
+    outside is T less the worker's step without the draft on the host's clock, where the report has it (a GPU's).
+    Only the cycle changes, so the report's prediction is scaled by its time with the draft (each group's fixed
+    time, then the cycle per decode step) before and after; a report that took it so already keeps its figures."""
+    model = {name: figures.get(name) for name in ("outside_step_ms", "model_cycle_ms", "predicted_speedup")}
+    host_step = figures.get("plain_host_engine_step_ms")
+    if model["predicted_speedup"] is None or host_step is None:
+        return model
+    outside = figures["target_step_ms"] - host_step
+    cycle = figures["model_cycle_ms"] - figures["outside_step_ms"] + outside
+    fixed, steps = phase_groups(report, phase, figures) * figures["fixed_ms"], figures["decode_steps"]
+    return {"outside_step_ms": outside, "model_cycle_ms": cycle, "predicted_speedup": model["predicted_speedup"]
+            * (fixed + figures["model_cycle_ms"] * steps) / (fixed + cycle * steps)}
+
+
+def phase_groups(report: dict, phase: str, figures: dict) -> int:
+    """A phase's groups (requests submitted at once): the report's count, else the eval sources (the eval batch) or
+    its requests in groups of the concurrency."""
+    if "groups" in figures:
+        return figures["groups"]
+    return len(report["by_source"]) if phase == "eval batch" else -(-figures["with_draft"]["requests"] // int(phase))
 
 
 def phase_rows(report: dict, label: str) -> list[dict]:
@@ -45,6 +71,8 @@ def phase_rows(report: dict, label: str) -> list[dict]:
         for phase, figures in [("eval batch", speed["eval_batch"]), *speed["by_concurrency"].items()]:
             row = {"report": label, "k": run["num_speculative_tokens"], "phase": phase,
                    "requests": figures["with_draft"]["requests"]} | {name: figures.get(name) for name in COLUMNS}
+            row["reported_speedup"] = row["predicted_speedup"]
+            row |= current_model(report, phase, figures)
             predicted, measured = row["predicted_speedup"], row["measured_speedup"]
             row["error"] = predicted / measured - 1 if predicted and measured else None
             rows.append(row)
@@ -55,11 +83,15 @@ def markdown(result: dict) -> str:
     def cell(value, spec: str = ".2f") -> str:
         return "-" if value is None else format(value, spec)
 
+    def reported(row: dict) -> str:
+        same = row["reported_speedup"] is None or abs(row["reported_speedup"] - row["predicted_speedup"]) < 5e-4
+        return "" if same else f" ({row['reported_speedup']:.3f})"
+
     lines = [f"# 06's speed model against vLLM's measured speed-up ({result['machine']})", "",
              "    " + result["command"], "",
              "| report | k | phase (requests) | AL | T ms | verify forward ms | D ms | sampling ms | "
              "outside ms without / with the draft | fixed ms with / without | cycle ms model / measured | "
-             "speed-up predicted / measured | miss |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speed-up predicted (in the report) / measured | miss |", "|" + "---|" * 13]
     for row in result["rows"]:
         lines.append(
             f"| {row['report']} | {row['k']} | {row['phase']} ({row['requests']}) | "
@@ -68,7 +100,7 @@ def markdown(result: dict) -> str:
             f"{cell(row['outside_step_ms'])} / {cell(row['measured_outside_step_ms'])} | "
             f"{cell(row['fixed_ms'], '.0f')} / {cell(row['plain_fixed_ms'], '.0f')} | "
             f"{cell(row['model_cycle_ms'])} / {cell(row['cycle_ms'])} | "
-            f"{cell(row['predicted_speedup'], '.3f')} / {cell(row['measured_speedup'], '.3f')} | "
+            f"{cell(row['predicted_speedup'], '.3f')}{reported(row)} / {cell(row['measured_speedup'], '.3f')} | "
             f"{cell(row['error'] * 100 if row['error'] is not None else None, '+.1f')}% |")
     misses = [abs(row["error"]) for row in result["rows"] if row["error"] is not None]
     measured = {}

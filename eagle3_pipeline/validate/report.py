@@ -122,7 +122,7 @@ def markdown(report: dict) -> str:
                    "(vLLM's request timestamps). T: wall time per decode step without the draft. The model's "
                    "cycle: the verifying forward + k·D (D: a timed drafting round / k) + sampling and rejection "
                    "(the worker's means over decode steps with the draft) + the time outside the worker's step (T "
-                   "less the worker's step without the draft); measured cycle: each group's decode span with the "
+                   "less the worker's step without the draft, on the host's clock); measured cycle: each group's decode span with the "
                    "draft / its decode steps (its slowest request's verifying steps). Predicted speed-up: each "
                    "group's fixed time, then T per decode step without the draft and one cycle per decode step "
                    "with it (eagle3_pipeline/validate/speed.py)."), "",

@@ -17,7 +17,11 @@ Each part is timed in the worker of the engine it belongs to, over decode steps 
 the model runner's `execute_model`, the verifying forward; `sample_tokens`, which samples, rejects and runs the
 drafter's `propose`, k draft forwards; CUDA events on a GPU, the host clock on CPU). The time outside the worker's
 step (scheduling, the engine's messages, output processing) is taken from the engine without the draft: T less
-its worker step. So no part comes from the decode time with the draft, which checks the model: the measured cycle
+its worker step on the host's clock. The host runs the engine's loop; on a GPU the engine without a draft schedules
+the next step while the device still runs this one, so its worker step on the device's clock overlaps the time
+outside it, and T less that step leaves the outside out (0.02 of 0.55 ms on an H100, bench/results/README.md);
+the engine with the draft waits for its rejection sampler each step and pays the outside in full. So no part comes
+from the decode time with the draft, which checks the model: the measured cycle
 (each group's decode span with the draft over its decode steps) is reported beside the model's, and the measured
 speed-up beside the predicted one. `StepCosts` and `predicted_speedup` take other step costs as well (another
 target's, counted from its bytes).
@@ -154,15 +158,16 @@ def fixed_time(group) -> float:
 
 def step_costs(group, plain_group, k: int, target_step: float | None) -> StepCosts | None:
     """The model's parts for one phase: the worker's means over the decode steps with the draft, and the time
-    outside the worker's step from the engine without it (`target_step` less its worker step); None where a part is
-    missing."""
+    outside the worker's step from the engine without it (`target_step` less its worker step on the host's clock,
+    the only clock on CPU); None where a part is missing."""
     rounds, forwards, sample_and_draft = (group.worker_s.get(name, [])
                                           for name in (PROPOSE, VERIFY_FORWARD, SAMPLE_AND_DRAFT))
     if not (target_step and plain_group.engine_steps_s and rounds and forwards and sample_and_draft):
         return None
     return StepCosts(verify_forward=statistics.fmean(forwards), draft_step=statistics.fmean(rounds) / k,
                      sample=statistics.fmean(sample_and_draft) - statistics.fmean(rounds),
-                     outside=target_step - statistics.fmean(plain_group.engine_steps_s))
+                     outside=target_step - statistics.fmean(plain_group.host_engine_steps_s
+                                                             or plain_group.engine_steps_s))
 
 
 def phase_speed(group, plain_group, k: int) -> dict:
@@ -187,6 +192,7 @@ def phase_speed(group, plain_group, k: int) -> dict:
         "without_draft": plain_group.timing.to_json() if plain_group else None,
         "mean_acceptance_length": group.mean_acceptance_length,
         "num_drafts": group.counts.drafts,  # vLLM's counter over this phase
+        "groups": len(group.timing.decode_spans_s),  # `llm.generate` calls: requests submitted at once
         "decode_steps": sum(group.decode_steps),  # each group's, after its prefills (its slowest request's)
         "draft_rounds_timed": len(group.worker_s.get(PROPOSE, [])),
         "engine_steps_timed": len(group.engine_steps_s),
@@ -197,7 +203,8 @@ def phase_speed(group, plain_group, k: int) -> dict:
         # without the draft: the decode step (wall time) and the worker's step in it
         "target_step_ms": ms(target_step),
         "plain_engine_step_ms": ms(mean_or_none(plain_group.engine_steps_s)) if plain_group else None,
-        # the model's parts (StepCosts): with the draft, each timed on its own; outside from the engine without it
+        # the model's parts (StepCosts): with the draft, each timed on its own; outside from the engine without it,
+        # on the host's clock
         "verify_forward_ms": ms(costs.verify_forward) if costs else None,
         "draft_step_ms": ms(costs.draft_step) if costs else None,
         "sample_ms": ms(costs.sample) if costs else None,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.speed_model import markdown, phase_rows, reports_in
+from bench.speed_model import current_model, markdown, phase_rows, reports_in
 
 
 def figures(predicted: float, measured: float, requests: int) -> dict:
@@ -47,3 +47,25 @@ def test_a_report_from_before_the_model_is_named():
     old = {"runs": [{"num_speculative_tokens": 3, "speed": {"eval_batch": {}, "concurrency_1": {}}}]}
     with pytest.raises(ValueError, match="v4: a 06 report from before the speed model"):
         phase_rows(old, "v4")
+
+
+def test_a_gpu_report_is_predicted_again_with_the_outside_on_the_hosts_clock():
+    # T 10 ms less the plain worker's step on the host's clock (7.5 ms): 2.5 ms outside, not the reported 1.5, so
+    # a cycle of 15 ms; two groups of 4 (8 requests), each 120 ms fixed, then 100 decode steps in all
+    gpu = figures(1.19, 1.25, 8) | {"plain_host_engine_step_ms": 7.5, "decode_steps": 100}
+    model = current_model({}, "4", gpu)
+    assert model["outside_step_ms"] == pytest.approx(2.5) and model["model_cycle_ms"] == pytest.approx(15.0)
+    assert model["predicted_speedup"] == pytest.approx(1.19 * (240 + 14.0 * 100) / (240 + 15.0 * 100))
+    # a report that took it so already (T - 8.5 = its 1.5) keeps its figures; so does one with no host clock (CPU)
+    assert current_model({}, "4", gpu | {"plain_host_engine_step_ms": 8.5})["predicted_speedup"] == pytest.approx(1.19)
+    assert current_model({}, "4", figures(1.19, 1.25, 8)) == {"outside_step_ms": 1.5, "model_cycle_ms": 14.0,
+                                                            "predicted_speedup": 1.19}
+    # the eval batch's groups are the report's eval sources
+    report = {"by_source": {"mt_bench": {}, "humaneval": {}}, "runs": [
+        {"num_speculative_tokens": 3, "speed": {"eval_batch": gpu, "by_concurrency": {}}}]}
+    [row] = phase_rows(report, "h100")
+    assert row["predicted_speedup"] == pytest.approx(model["predicted_speedup"])
+    assert row["reported_speedup"] == 1.19
+    assert "| 1.190 (" not in markdown({"command": "c", "machine": "m", "rows": phase_rows(REPORT, "cpu")})
+    assert f"| {row['predicted_speedup']:.3f} (1.190) / 1.250 |" in markdown({"command": "c", "machine": "m",
+                                                                             "rows": [row]})

@@ -195,7 +195,7 @@ def test_speed_report_fills_the_model_from_each_engines_own_clocks():
     assert speed["verify_forward_ms"] == pytest.approx(10.0) and speed["draft_step_ms"] == pytest.approx(2.0)
     assert speed["sample_ms"] == pytest.approx(2.0) and speed["model_cycle_ms"] == pytest.approx(20.0)
     # 150 tokens: the prefill's, then 49 verifying steps of 3 tokens and a last of 2
-    assert speed["decode_steps"] == 50
+    assert speed["decode_steps"] == 50 and speed["groups"] == 1
     # in tokens/s: the time ratio times 150 / 100 tokens
     assert speed["predicted_speedup"] == pytest.approx((0.01 + 99 * 0.010) / (0.12 + 50 * 0.020) * 1.5)
     assert speed["measured_speedup"] == pytest.approx(1.5)
@@ -211,6 +211,21 @@ def test_speed_report_fills_the_model_from_each_engines_own_clocks():
     assert speed_report(drafted, None)["by_concurrency"]["1"]["predicted_speedup"] is None
     untimed = engine_run(0, tokens_per_s=100, worker_s={}, accepted=0, drafts=0, first_token_s=0.01)
     assert speed_report(drafted, untimed)["by_concurrency"]["1"]["predicted_speedup"] is None
+
+
+def test_on_a_gpu_the_time_outside_the_step_is_t_less_the_plain_worker_step_on_the_hosts_clock():
+    # the engine without the draft schedules ahead: its host is back after 5 ms of each 8 ms device step, and the
+    # 10 ms decode step leaves 5 ms on the host outside the worker, not the device clock's 2
+    on_host = {"execute_model@host": [0.004, 0.004, 0.004], "sample_tokens@host": [0.001, 0.001, 0.001]}
+    plain = engine_run(0, tokens_per_s=100, worker_s=PLAIN_WORKER | on_host, accepted=0, drafts=0,
+                       first_token_s=0.01)
+    drafted = engine_run(3, tokens_per_s=150, worker_s=DRAFTED_WORKER, accepted=100, drafts=50, first_token_s=0.12,
+                         tokens_per_step=3)
+    speed = speed_report(drafted, plain)["by_concurrency"]["1"]
+    assert speed["plain_engine_step_ms"] == pytest.approx(8.0) and speed["plain_host_engine_step_ms"] == \
+        pytest.approx(5.0)
+    assert speed["outside_step_ms"] == pytest.approx(5.0) and speed["model_cycle_ms"] == pytest.approx(23.0)
+    assert speed["predicted_speedup"] == pytest.approx((0.01 + 99 * 0.010) / (0.12 + 50 * 0.023) * 1.5)
 
 
 class OutputProcessor:
