@@ -11,6 +11,7 @@ each bench's question, hardware, output, latest result and command, and the reti
     capture_overhead     02's capture against the same engine's plain prefill
     stream               stream mode against offline on one machine
     speed_model          06's speed model against the speed-up vLLM measures, run again and again or read from reports
+    kimi_speedup         the speed-up 06's model predicts for Kimi-K2.5 from bytes and GPU 06 reports' host parts
     train_throughput     04's step at the Kimi draft's shape against speculators' step
     train_scaling        04 on several GPUs against one: curves, tokens/s per GPU, cross-count resume
 """
