@@ -48,6 +48,9 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
                              "multiples of 32" if on_cpu() else
                              "vLLM GPU (0.26 to 0.34) picks the draft's MLA prefill backend by the target's MLA "
                              "head dims, which a dense target lacks"))
+    if settings["dtype"] == "float32" and not on_cpu() and is_mla(text_config(model_dir)):
+        raise ConfigError("dtype float32 (target.engine.dtype or validate.engine_dtype) on an MLA target: vLLM GPU has "
+                          "no float32 MLA attention (0.26's CUDA MLA backends take float16 and bfloat16); use float16")
     if "VLLM_MLA_DISABLE" in environment:
         print("vLLM CPU: MLA target with a Llama-style draft: VLLM_MLA_DISABLE=1")
     if environment.get("VLLM_USE_V2_MODEL_RUNNER") == "0":

@@ -112,6 +112,27 @@ def test_cpu_engine_runs_an_fp32_mla_target_on_the_reference_mla_backend(monkeyp
     assert "attention_backend" not in engine.engine_settings(fp32, tmp_path, speculative_config=EAGLE3)[0]
 
 
+def test_gpu_engine_refuses_an_fp32_mla_target_before_loading_and_takes_fp16(monkeypatch, tmp_path):
+    """vLLM 0.26's CUDA MLA backends take float16 and bfloat16 only: an fp32 MLA engine on a GPU (06's
+    validate.engine_dtype) is a config error before vLLM starts; float16, a dense target or the CPU start."""
+    mla, dense = tmp_path / "mla", tmp_path / "dense"
+    for folder, text in ((mla, {"kv_lora_rank": 16}), (dense, {"num_key_value_heads": 3})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"text_config": text}))
+    loaded = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **settings: loaded.append(settings)))
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    target = TargetConfig(path=str(mla))
+    with pytest.raises(ConfigError, match="dtype float32 .* on an MLA target: vLLM GPU has no float32 MLA"):
+        engine.start_engine(target, mla, dtype="float32")
+    assert loaded == []
+    engine.start_engine(target, mla, dtype="float16")
+    engine.start_engine(TargetConfig(path=str(dense)), dense, dtype="float32")
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    engine.start_engine(target, mla, dtype="float32")
+    assert [settings["dtype"] for settings in loaded] == ["float16", "float32", "float32"]
+
+
 def test_vllm_034_without_model_runner_v1_refuses_the_v1_switch_before_loading(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     target = TargetConfig(path=str(tmp_path))
