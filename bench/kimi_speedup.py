@@ -1,8 +1,8 @@
 """The speed-up the reference draft predicts for Kimi-K2.5 at concurrency 1: 06's model (validate/speed.py) with
 the forwards counted from the published shapes' bytes and the host's parts measured on a GPU.
 
-    python -m bench.kimi_speedup --reports bench/results/speed_model_h100_report_1.json \
-        bench/results/speed_model_h100_report_2.json --out bench/results/kimi_speedup
+    python -m bench.kimi_speedup --reports bench/results/speed_model_h200_report_{1,2,3,4}.json \
+        --out bench/results/kimi_speedup
 
 The cycle is verify forward + k·D + sampling and rejection + the time outside the worker's step; a decode step
 without the draft is the target's forward + its sampling + the same outside. Its inputs, each with its source:

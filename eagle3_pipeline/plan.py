@@ -43,11 +43,11 @@ REGENERATION = Rate(
     "8k prompts make it a low figure for short prompts. The 2.5-4k tokens/s per node quoted for Kimi at high "
     "concurrency was not found in a public source and is not used")
 SPECULATIVE_SPEEDUP = Rate(
-    "regeneration speed-up with a draft (k=3)", 1.19, "x", "derived here",
+    "regeneration speed-up with a draft (k=3)", 1.20, "x", "derived here",
     "bench/results/kimi_speedup.md: 06's speed model, the forward 14.07 ms (Kimi-K2.5's public TPOT on 8x B200), "
     "a verifying step reading 4 tokens' routed experts and a draft step by the published shapes' bytes, "
-    "sampling and the engine's time outside the step measured on an H100, at MT-Bench's AL 2.69 "
-    "(lightseekorg/kimi-k2.5-eagle3's card); 2.22x if a verifying step costs one forward, 0.88x at the bytes "
+    "sampling and the engine's time outside the step measured on an H200, at MT-Bench's AL 2.69 "
+    "(lightseekorg/kimi-k2.5-eagle3's card); 2.26x if a verifying step costs one forward, 1.11x at the bytes "
     "floor. Not measured on Kimi. On the SmolLM2 stand-in, one H200, 01's "
     "concurrency 512: 26,021 -> 26,703 generated tokens/s (1.03x) at AL 2.05 (bench/results/quality_gpu.md); a 135M "
     "target is not bound by reading its weights there, so that gain says little about Kimi's")
