@@ -1,6 +1,6 @@
 """The pipeline on a GPU node, as a user runs it: each stand-in x capture path x model runner, stage by stage.
 
-    python -m bench.gpu_pipeline --out /tmp/gpu_results [--only smollm2-extract,...]
+    python -m bench.gpu_pipeline --out /tmp/gpu_results [--only smollm2-extract,...] [--set SECTION.KEY=VALUE ...]
 
 Runs every stage script as a subprocess (CUDA graphs on, bf16, compile: configs/demo_gpu.yaml for SmolLM2, the
 tiny Kimi with GPU engine settings), records each stage's exit status and wall time, checks 02's states against
@@ -8,7 +8,8 @@ Hugging Face transformers' forward of the same target, and reads 06's report (ve
 A run that only varies later stages (another runner) starts from a copy of another run's earlier stages. Then
 the benches that need the GPU to themselves: capture against plain prefill (bench/capture_overhead.py) and stream
 mode against offline (bench/stream.py). Writes <out>/gpu_pipeline.json after every stage, so a run cut short
-keeps what it measured.
+keeps what it measured. `--set` adds overrides to every stage job (after the job's own), for example
+`target.engine.enforce_eager=true` where a lease is too short for each engine's compile and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -235,6 +236,8 @@ def main() -> None:
     arguments.add_argument("--out", type=Path, required=True)
     arguments.add_argument("--work", type=Path, default=Path("/tmp/gpu_runs"))
     arguments.add_argument("--only", default="", help="comma-separated job names (default: all, in order)")
+    arguments.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="an override for every stage job, after its own (repeatable)")
     args = arguments.parse_args()
     if not plugin_installed():  # else every job would build or prepare for minutes and then stop at 02
         sys.exit(f"error: the entry point {PLUGIN_NAME!r} is not installed here: install the project "
@@ -247,7 +250,8 @@ def main() -> None:
     def run_chain(chain: list[Job]) -> None:
         for job in chain:
             if not args.only or job.name in args.only.split(","):
-                run_job(job, args.out, args.work, results)
+                run_job(job if job.bench else replace(job, overrides=[*job.overrides, *args.overrides]), args.out,
+                        args.work, results)
 
     for phase in PHASES:
         threads = [threading.Thread(target=run_chain, args=(chain,)) for chain in phase]

@@ -56,3 +56,25 @@ def test_jobs_run_their_stages_in_order_until_one_fails(monkeypatch, tmp_path):
     run_job(Job("bench", "c.yaml", bench=["-c", "print('$OUT')"]), out, work, results)
     assert results["bench"]["exit"] == 0 and results["bench"]["command"] == "python -c print('$OUT')"
     assert json.loads((out / "gpu_pipeline.json").read_text()) == results
+
+
+def test_set_adds_overrides_to_every_stage_job_after_its_own(monkeypatch, tmp_path):
+    """`--set` reaches each chosen stage job's stages (the learned Kimi's bf16 and float16 06 on one build here),
+    after the job's own overrides; a bench job (the stand-in's build) and the job table stay as they were."""
+    ran = []
+    monkeypatch.setattr(gpu_pipeline, "plugin_installed", lambda: True)
+    monkeypatch.setattr(gpu_pipeline.torch.cuda, "get_device_name", lambda index: "a GPU")
+    monkeypatch.setattr(gpu_pipeline, "run_job", lambda job, out, work, results: ran.append(job))
+    monkeypatch.setattr(sys, "argv", ["gpu_pipeline", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                                      "--only", "learned-kimi-build,learned-kimi-v1,learned-kimi-fp16",
+                                      "--set", "target.engine.enforce_eager=true"])
+    gpu_pipeline.main()
+    jobs = {job.name: job for job in ran}
+    assert sorted(jobs) == ["learned-kimi-build", "learned-kimi-fp16", "learned-kimi-v1"]
+    assert jobs["learned-kimi-build"].overrides == [] and jobs["learned-kimi-build"].bench
+    assert jobs["learned-kimi-v1"].overrides[-1] == "target.engine.enforce_eager=true"
+    assert jobs["learned-kimi-fp16"].overrides[-2:] == ["validate.engine_dtype=float16",
+                                                         "target.engine.enforce_eager=true"]
+    assert jobs["learned-kimi-fp16"].copy_from == "learned-kimi-v1" and jobs["learned-kimi-fp16"].stages == ALL[5:]
+    table = {job.name: job for phase in gpu_pipeline.PHASES for chain in phase for job in chain}
+    assert "target.engine.enforce_eager=true" not in table["learned-kimi-v1"].overrides
