@@ -42,13 +42,14 @@ def start_engine(target: TargetConfig, model_dir: Path, engine: EngineConfig | N
     """
     settings, environment = engine_settings(target, model_dir, engine, **llm_kwargs, **text_only_settings(text_only))
     check_model_runner_choice({**os.environ, **environment})
-    if serves_mla_draft(settings) and not is_mla(text_config(model_dir)):
+    mla_target = is_mla(text_config(model_dir))
+    if serves_mla_draft(settings) and not mla_target:
         raise ConfigError("vLLM serves an MLA draft (draft.attention mla) only on an MLA target: "
                           + ("vLLM CPU's draft CPU_MLA backend keeps KV blocks of 16 and the target's CPU_ATTN "
                              "multiples of 32" if on_cpu() else
                              "vLLM GPU (0.26 to 0.34) picks the draft's MLA prefill backend by the target's MLA "
                              "head dims, which a dense target lacks"))
-    if settings["dtype"] == "float32" and not on_cpu() and is_mla(text_config(model_dir)):
+    if settings["dtype"] == "float32" and mla_target and not on_cpu():
         raise ConfigError("dtype float32 (target.engine.dtype or validate.engine_dtype) on an MLA target: vLLM GPU has "
                           "no float32 MLA attention (0.26's CUDA MLA backends take float16 and bfloat16); use float16")
     if "VLLM_MLA_DISABLE" in environment:
