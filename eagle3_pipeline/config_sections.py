@@ -493,7 +493,8 @@ class ValidateConfig(Section):
         None, description="the dtype 06's engines (with and without the draft) run target and draft in; null = "
         "target.engine.dtype. float32 (float16 for an MLA target on a GPU: vLLM has no float32 MLA kernel there) tells "
         "a greedy difference the draft made from bf16 rounding (an MoE router's flips): only 06 reruns, 01's bf16 "
-        "answers stay (its fingerprint holds target.engine)"
+        "answers stay (its fingerprint holds target.engine). Its acceptance is not 04's: the draft trained on states "
+        "captured in target.engine.dtype (06 says so)"
     )
     max_tie_margin: float = Field(
         0.5, ge=0, description="a greedy output the draft changed is a bf16 near-tie when the target's logit margin "

@@ -20,6 +20,7 @@ stays failed on rerun). `check` is the static comparison alone, on any folder or
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,6 +143,8 @@ def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[EvalP
     model_dir = target_path(config.target)
     print(f"06_validate: {len(prompts)} eval prompts, up to {config.validate_.max_tokens} tokens, "
           f"k = {config.validate_.num_speculative_tokens}, draft {served}")
+    if caveat := dtype_caveat(config, model_dir):
+        print(caveat)
     runs, plain = [], None
     for k in config.validate_.num_speculative_tokens:
         with stage.timed(f"vllm_k{k}"):
@@ -150,6 +153,21 @@ def serve_all(stage: Stage, config: RunConfig, served: Path, prompts: list[EvalP
         with stage.timed("vllm_without_speculation"):
             plain = serve(config, model_dir, prompts, None, 0, compare_with=runs)
     return runs, plain
+
+
+def dtype_caveat(config: RunConfig, model_dir: Path) -> str | None:
+    """A line for engines run in another dtype (`validate.engine_dtype`) than the one 02 captured the draft's training
+    states in: their acceptance is then the draft's on states it did not train on, not what 04 simulated (the
+    learned Kimi stand-in: 1.85 in float16 against 2.04 in bf16; docs/06_validate.md)."""
+    served, captured = config.validate_.engine_dtype, config.target.engine.dtype
+    if captured == "auto":
+        checkpoint = json.loads((model_dir / "config.json").read_text())
+        captured = checkpoint.get("dtype") or checkpoint.get("torch_dtype") or "the checkpoint's dtype"
+    if served is None or served == captured:
+        return None
+    return (f"06_validate: engines in {served} (validate.engine_dtype), 02 captured the draft's training states in "
+            f"{captured}: the acceptance measured here is the draft's on states it did not train on, not 04's "
+            "simulated one")
 
 
 def dynamic_problems(runs: list[EngineRun], step0: float | None, validate: ValidateConfig) -> list[str]:

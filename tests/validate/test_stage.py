@@ -188,3 +188,25 @@ def test_06_starts_the_target_text_only_unless_an_eval_prompt_has_images(monkeyp
         with pytest.raises(EngineStarted):
             acceptance.serve(config, tmp_path, prompts, tmp_path / "export", 3)
     assert [settings["text_only"] for settings in started] == [True, False]
+
+
+def test_06_says_when_its_engines_run_in_another_dtype_than_02_captured_in(tmp_path):
+    """`validate.engine_dtype` other than the capture's dtype (target.engine.dtype, `auto` read from the
+    checkpoint) gets a caveat line; the same dtype, or none set, gets none."""
+    import json
+
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.validate.stage import dtype_caveat
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+
+    def caveat(*overrides: str) -> str | None:
+        return dtype_caveat(load_config("configs/demo.yaml", list(overrides)), tmp_path)
+
+    assert caveat() is None
+    assert caveat("validate.engine_dtype=bfloat16") is None
+    assert caveat("validate.engine_dtype=float16", "target.engine.dtype=float16") is None
+    line = caveat("validate.engine_dtype=float16")
+    assert line is not None and "engines in float16" in line
+    assert "captured the draft's training states in bfloat16" in line
+    assert "in float32" in caveat("validate.engine_dtype=bfloat16", "target.engine.dtype=float32")
