@@ -131,9 +131,21 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected_tokens: int, num_au
         expected_dtype = torch.float32 if name.endswith("_scale") else STORAGE_DTYPES[dtype]
         if tuple(tensor.shape) != shape or tensor.dtype != expected_dtype:
             return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {expected_dtype}"
-        if not torch.isfinite(tensor.float()).all():
+        if not all_finite(tensor):
             return f"{name} holds non-finite values"
     return None
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, read from the exponent bits of a bf16 or fp8 tensor: no float32 copy, about
+    20x faster on a pack (04 checks each stream item before training on it)."""
+    if tensor.numel() == 0:
+        return True
+    if tensor.dtype == torch.bfloat16:  # inf and NaN: every exponent bit set
+        return int((tensor.view(torch.int16) & 0x7F80).max()) != 0x7F80
+    if tensor.dtype == FP8:  # e4m3fn has no inf; NaN: every exponent and mantissa bit set
+        return int((tensor.view(torch.uint8) & 0x7F).max()) != 0x7F
+    return bool(torch.isfinite(tensor).all())
 
 
 def verify_shard(path: Path, expected_tokens: int, num_aux: int, hidden_size: int, dtype: str) -> str | None:

@@ -60,3 +60,20 @@ def test_verify_catches_wrong_counts_dtypes_and_truncation(tmp_path):
     assert "tensors" in store.verify_shard(path, tokens, 3, 576, "bfloat16")
     (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert "unreadable" in store.verify_shard(tmp_path / "cut.safetensors", tokens, 3, 576, "fp8")
+
+
+def test_all_finite_reads_the_exponent_bits_as_isfinite_does():
+    """The bit test against torch.isfinite on bf16, fp8 and float32: large finite values, subnormals, zeros, and
+    a NaN, +inf or -inf anywhere (e4m3fn has no inf: torch saturates one to 448)."""
+    from eagle3_pipeline.capture.store import FP8, all_finite
+
+    finite = torch.tensor([0.0, -0.0, 1e-40, -3.0e38, 3.0e38, 448.0, -1.5, 2.0 ** -9])
+    for dtype in (torch.bfloat16, FP8, torch.float32):
+        values = finite.clamp(-448, 448).to(dtype) if dtype == FP8 else finite.to(dtype)
+        assert all_finite(values) and bool(torch.isfinite(values.float()).all())
+        for bad in (float("nan"),) if dtype == FP8 else (float("nan"), float("inf"), float("-inf")):
+            spoiled = values.clone()
+            spoiled[3] = torch.tensor(bad).to(dtype)
+            assert not all_finite(spoiled), (dtype, bad)
+            assert all_finite(spoiled) == bool(torch.isfinite(spoiled.float()).all())
+    assert all_finite(torch.empty(0, 4, dtype=torch.bfloat16))
