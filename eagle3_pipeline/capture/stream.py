@@ -36,7 +36,6 @@ from typing import ClassVar, Protocol
 
 import torch
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save as save_bytes
 
 from eagle3_pipeline.capture import store
 from eagle3_pipeline.config import RunConfig
@@ -152,7 +151,7 @@ def encode_item(item: PackItem, dtype: str) -> bytes:
     """One pack's states as safetensors bytes; the metadata names the position, epoch and samples."""
     metadata = {"position": str(item.position), "epoch": str(item.epoch),
                 "samples": json.dumps([[s.sample_id, s.final.shape[0]] for s in item.samples])}
-    return save_bytes(store.encode_states(item.samples, dtype), metadata=metadata)
+    return store.safetensors_bytes(store.encode_states(item.samples, dtype), metadata)
 
 
 def decode_item(data: bytes, position: int, expected: list[tuple[str, int]], num_aux: int, hidden_size: int,

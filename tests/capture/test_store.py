@@ -77,3 +77,20 @@ def test_all_finite_reads_the_exponent_bits_as_isfinite_does():
             assert not all_finite(spoiled), (dtype, bad)
             assert all_finite(spoiled) == bool(torch.isfinite(spoiled.float()).all())
     assert all_finite(torch.empty(0, 4, dtype=torch.bfloat16))
+
+
+def test_safetensors_bytes_is_what_safetensors_writes(tmp_path):
+    """Byte for byte the library's own serialisation (one metadata key: the library orders several by hash), and
+    with several keys the same tensors and metadata read back by the library."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    metadata = {"position": "7", "epoch": "0", "samples": '[["s0", 37]]'}
+    for dtype in ("bfloat16", "fp8"):
+        tensors = store.encode_states(samples(), dtype)
+        assert store.safetensors_bytes(tensors, {"position": "7"}) == save(tensors, metadata={"position": "7"})
+        (tmp_path / "item.safetensors").write_bytes(store.safetensors_bytes(tensors, metadata))
+        with safe_open(tmp_path / "item.safetensors", "pt") as item:
+            assert item.metadata() == metadata and set(item.keys()) == set(tensors)
+            for name, tensor in tensors.items():
+                assert torch.equal(item.get_tensor(name).view(torch.uint8), tensor.view(torch.uint8))
