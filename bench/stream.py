@@ -8,7 +8,9 @@ Shared 01 and 03 (real HumanEval chats on the demo target, SmolLM2-135M-Instruct
 
 Per run: 04's tokens/s (median over its logged steps), the share of 04's time spent waiting for data
 (`data_wait_frac`, from metrics.jsonl), 02's time waiting for room in the window (stream: its manifest), the
-wall time of each stage and of the whole run, and the most stream bytes seen on disk.
+wall time of each stage and of the whole run, and the most stream bytes seen on disk. 04 reads its data as the
+config says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs/demo_gpu.yaml 2 loader
+workers).
 
     python -m bench.stream                          # writes bench/results/stream.json and stream.md
     python -m bench.stream --samples 32 --steps 16  # smaller
@@ -34,8 +36,7 @@ from bench.harness import RESULTS, ROOT, parser, save, stage_cmd
 def start(script: str, config: Path, run_dir: Path, args, stream: bool, log: Path) -> subprocess.Popen:
     """A stage script started with the bench's settings, its output in `log`."""
     sets = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
-            "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}",
-            "train.num_workers=0", *args.set]
+            "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}", *args.set]
     sets += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"] if stream else []
     return subprocess.Popen(stage_cmd(script, config, sets), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 

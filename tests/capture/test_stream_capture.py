@@ -124,13 +124,13 @@ def new_run(prepared: Path, name: str) -> Path:
     return run_dir
 
 
-def run_both(run_dir: Path) -> int:
-    """02 and 04 started together, each recording the config keys it reads into <run_dir>-reads; returns the most
-    stream bytes seen on disk."""
+def run_both(run_dir: Path, extra: list[str] = ()) -> int:
+    """02 and 04 started together (with the `extra` settings), each recording the config keys it reads into
+    <run_dir>-reads; returns the most stream bytes seen on disk."""
     held = Held(run_dir / "02_hidden_states" / "stream")
     env = python_environment(run_dir.parent / f"{run_dir.name}-site", reads_dir=reads_folder(run_dir))
-    capture = start("02_generate_hidden_states.py", run_dir, env=env)
-    train = start("04_train.py", run_dir, env=env)
+    capture = start("02_generate_hidden_states.py", run_dir, env=env, extra=extra)
+    train = start("04_train.py", run_dir, env=env, extra=extra)
     wait_ok(train, "04_train")
     wait_ok(capture, "02 (stream)")
     return held.stop()
@@ -180,6 +180,16 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
     assert len({epoch for _, epoch in trained_on(run_dir)}) >= 2  # the stream ran on into later epochs
     # 02 finished after 04 started on its stream: the chain of stages still holds for 05
     wait_ok(start("05_export.py", run_dir), "05 after a streamed 02")
+
+
+def test_04_takes_the_stream_in_data_loader_workers_as_in_its_own_process(prepared, offline):
+    """train.num_workers 2, the GPU configs' setting: the loader's workers read and decode the stream's items,
+    asking for more than the window holds (prefetch), and 04 still trains on the offline run's batches."""
+    run_dir = new_run(prepared, "workers")
+    most_held = run_both(run_dir, extra=["train.num_workers=2"])
+    assert 0 < most_held <= WINDOW_BYTES
+    assert_same_training(run_dir, offline, rel=1e-4)
+    assert trained_on(run_dir) == trained_on(offline)
 
 
 def test_what_02_and_04_read_in_stream_mode_is_fingerprinted_or_runtime(streamed):
