@@ -160,10 +160,12 @@ def dtype_caveat(config: RunConfig, model_dir: Path) -> str | None:
     states in: their acceptance is then the draft's on states it did not train on, not what 04 simulated (the
     learned Kimi stand-in: 1.85 in float16 against 2.04 in bf16; docs/06_validate.md)."""
     served, captured = config.validate_.engine_dtype, config.target.engine.dtype
+    if served is None:  # the engines run in the capture's dtype
+        return None
     if captured == "auto":
         checkpoint = json.loads((model_dir / "config.json").read_text())
         captured = checkpoint.get("dtype") or checkpoint.get("torch_dtype") or "the checkpoint's dtype"
-    if served is None or served == captured:
+    if served == captured:
         return None
     return (f"06_validate: engines in {served} (validate.engine_dtype), 02 captured the draft's training states in "
             f"{captured}: the acceptance measured here is the draft's on states it did not train on, not 04's "
