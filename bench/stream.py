@@ -4,18 +4,20 @@ the share of its time each side waited for the other.
 Shared 01 and 03 (real HumanEval chats on the demo target, SmolLM2-135M-Instruct), then two runs of 02 + 04:
 
     offline   02 writes every sample's states, then 04 trains on them
-    stream    02 and 04 started together (capture.mode stream, a window of about 4 packs)
+    stream    02 and 04 started together (capture.mode stream), once per `--window-gb` given
 
 Per run: 04's tokens/s (median over its logged steps), the share of 04's time spent waiting for data
 (`data_wait_frac`, from metrics.jsonl), 02's time waiting for room in the window (stream: its manifest), the
-wall time of each stage and of the whole run, and the most stream bytes seen on disk. 04 reads its data as the
+wall time of each stage and of the whole run, the engine calls 02 took for its packs, and the most stream
+bytes seen on disk. 04 reads its data as the
 config says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs/demo_gpu.yaml 2 loader
 workers).
 
     python -m bench.stream                          # writes bench/results/stream.json and stream.md
     python -m bench.stream --samples 32 --steps 16  # smaller
-    python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ...
-                                                    # on a GPU: another config, RUN's 01_data and 03_vocab
+    python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ... --window-gb 0.2 2
+                                                    # on a GPU: another config, RUN's 01_data and 03_vocab,
+                                                    # a stream run per window
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from pathlib import Path
 from bench.harness import RESULTS, ROOT, parser, save, stage_cmd
 
 
-def start(script: str, config: Path, run_dir: Path, args, stream: bool, log: Path) -> subprocess.Popen:
-    """A stage script started with the bench's settings, its output in `log`."""
+def start(script: str, config: Path, run_dir: Path, args, window_gb: float | None, log: Path) -> subprocess.Popen:
+    """A stage script started with the bench's settings (stream mode within `window_gb`, or offline: None), its
+    output in `log`."""
     sets = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
             "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}", *args.set]
-    sets += ["capture.mode=stream", f"capture.stream.window_gb={args.window_gb}"] if stream else []
+    sets += ["capture.mode=stream", f"capture.stream.window_gb={window_gb}"] if window_gb is not None else []
     return subprocess.Popen(stage_cmd(script, config, sets), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -72,8 +75,11 @@ def training_figures(run_dir: Path) -> dict:
             "losses": [round(r["loss_0"], 6) for r in train]}
 
 
-def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
-    run_dir, stream = prepared.parent / mode, mode == "stream"
+def run_mode(window_gb: float | None, prepared: Path, config: Path, args) -> dict:
+    """02 and 04 offline (`window_gb` None), or streaming within `window_gb`."""
+    stream = window_gb is not None
+    mode = f"stream-{window_gb:g}gb" if stream else "offline"
+    run_dir = prepared.parent / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     for stage in ("01_data", "03_vocab"):
         shutil.copytree(prepared / stage, run_dir / stage)
@@ -82,13 +88,13 @@ def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
     sampler = threading.Thread(target=sample_bytes, args=(run_dir / "02_hidden_states" / "stream", stop, peak))
     sampler.start()
     started = time.perf_counter()
-    capture = start("02_generate_hidden_states.py", config, run_dir, args, stream, logs["02"])
+    capture = start("02_generate_hidden_states.py", config, run_dir, args, window_gb, logs["02"])
     if stream:
-        train_s = wait(start("04_train.py", config, run_dir, args, stream, logs["04"]), logs["04"])
+        train_s = wait(start("04_train.py", config, run_dir, args, window_gb, logs["04"]), logs["04"])
         capture_s = train_s + wait(capture, logs["02"])
     else:
         capture_s = wait(capture, logs["02"])
-        train_s = wait(start("04_train.py", config, run_dir, args, stream, logs["04"]), logs["04"])
+        train_s = wait(start("04_train.py", config, run_dir, args, window_gb, logs["04"]), logs["04"])
     wall = time.perf_counter() - started
     stop.set()
     sampler.join()
@@ -101,7 +107,7 @@ def run_mode(mode: str, prepared: Path, config: Path, args) -> dict:
                      "capture_batches": counts["stream"].get("batches"),
                      "capture_wait_frac": counts["stream"]["waited_s"] / capture_s,
                      "streamed_bytes": counts["stream"]["bytes"], "most_held_bytes": peak[0],
-                     "window_bytes": int(args.window_gb * 1e9)}
+                     "window_bytes": int(window_gb * 1e9)}
 
 
 def prepare(work: Path, config_path: Path, args) -> Path:
@@ -126,22 +132,30 @@ def prepare(work: Path, config_path: Path, args) -> Path:
 
 
 def report(results: list[dict], args) -> str:
-    offline, stream = results
+    """The table: offline first, then a column per stream run."""
+    offline, streams = results[0], results[1:]
+
+    def row(label: str, offline_cell: str, stream_cell) -> str:
+        return f"| {label} | {offline_cell} | " + " | ".join(stream_cell(r) for r in streams) + " |"
+
     rows = [
-        ("04 training tokens/s (median)", f"{offline['tokens_per_s_median']:,.0f}", f"{stream['tokens_per_s_median']:,.0f}"),
-        ("04 time waiting for data", f"{offline['data_wait_frac_mean']:.1%}", f"{stream['data_wait_frac_mean']:.1%}"),
-        ("02 time waiting for room", "-", f"{stream['capture_wait_frac']:.1%}"),
-        *((f"{label} wall s", f"{offline[key]}", f"{stream[key]}") for label, key in (
+        row("04 training tokens/s (median)", f"{offline['tokens_per_s_median']:,.0f}",
+            lambda r: f"{r['tokens_per_s_median']:,.0f}"),
+        row("04 time waiting for data", f"{offline['data_wait_frac_mean']:.1%}", lambda r: f"{r['data_wait_frac_mean']:.1%}"),
+        row("02 time waiting for room", "-", lambda r: f"{r['capture_wait_frac']:.1%}"),
+        row("02 engine calls for the packs", "-", lambda r: f"{r.get('capture_batches') or '-'}"),
+        *(row(f"{label} wall s", f"{offline[key]}", lambda r, key=key: f"{r[key]}") for label, key in (
             ("02 stage", "capture_stage_s"), ("04 stage", "train_stage_s"), ("02 + 04", "wall_s"))),
-        ("states on disk, most", f"{offline['bytes_on_disk'] / 1e6:.1f} MB",
-         f"{stream['most_held_bytes'] / 1e6:.1f} MB (window {stream['window_bytes'] / 1e6:.0f} MB)"),
+        row("states on disk, most", f"{offline['bytes_on_disk'] / 1e6:.1f} MB",
+            lambda r: f"{r['most_held_bytes'] / 1e6:.1f} MB (window {r['window_bytes'] / 1e6:.0f} MB)"),
     ]
-    same = offline["losses"] == stream["losses"]
-    largest = max((abs(a - b) for a, b in zip(offline["losses"], stream["losses"])), default=None)
+    differences = [abs(a - b) for r in streams for a, b in zip(offline["losses"], r["losses"])]
+    same = all(r["losses"] == offline["losses"] for r in streams)
     data = f"01 and 03 of {args.prepared}" if args.prepared else f"{args.samples} HumanEval chats (<= {args.max_tokens} tokens)"
     lines = [f"{data}, {args.config}, packed {args.packed_length}, {args.steps} steps; per-step losses equal: {same} "
-             f"(largest difference {largest})", "",
-             "| | offline | stream |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+             f"(largest difference {max(differences, default=None)})", "",
+             "| | offline | " + " | ".join("stream" for _ in streams) + " |",
+             "|---|---|" + "---|" * len(streams), *rows]
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +165,8 @@ def main() -> None:
     arguments.add_argument("--max-tokens", type=int, default=320, help="tokens per sample at most")
     arguments.add_argument("--packed-length", type=int, default=1024)
     arguments.add_argument("--steps", type=int, default=24)
-    arguments.add_argument("--window-gb", type=float, default=0.02, help="about 4 packs of 1024 rows")
+    arguments.add_argument("--window-gb", type=float, nargs="+", default=[0.02],
+                           help="a stream run within each of these windows (0.02: about 4 packs of 1024 rows)")
     arguments.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
     arguments.add_argument("--out", type=Path, default=RESULTS / "stream.json")
     arguments.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
@@ -163,7 +178,7 @@ def main() -> None:
     config = args.work / args.config.name
     shutil.copy(args.config, config)
     prepared = prepare(args.work, config, args)
-    results = [run_mode(mode, prepared, config, args) for mode in ("offline", "stream")]
+    results = [run_mode(window_gb, prepared, config, args) for window_gb in (None, *args.window_gb)]
     save(args.out, {"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
                     "load_average_1min_at_end": os.getloadavg()[0], "runs": results})
     table = report(results, args)

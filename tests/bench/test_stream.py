@@ -1,4 +1,4 @@
-"""bench/stream.py's report: the table of offline against stream mode from the two runs' figures."""
+"""bench/stream.py's report: the table of offline against stream mode from the runs' figures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from bench.stream import report
 OFFLINE = {"tokens_per_s_median": 583.4, "data_wait_frac_mean": 0.002, "capture_stage_s": 196.5,
            "train_stage_s": 54.7, "wall_s": 251.3, "bytes_on_disk": 44_000_000, "losses": [2.5, 2.25]}
 STREAM = {"tokens_per_s_median": 84.2, "data_wait_frac_mean": 0.343, "capture_wait_frac": 0.0341,
-          "capture_stage_s": 598.7, "train_stage_s": 596.1, "wall_s": 598.7, "most_held_bytes": 14_500_000,
+          "capture_batches": 31, "capture_stage_s": 598.7, "train_stage_s": 596.1, "wall_s": 598.7, "most_held_bytes": 14_500_000,
           "window_bytes": 20_000_000, "losses": [2.5, 2.25]}
 
 
@@ -25,6 +25,7 @@ difference 0.0)
 | 04 training tokens/s (median) | 583 | 84 |
 | 04 time waiting for data | 0.2% | 34.3% |
 | 02 time waiting for room | - | 3.4% |
+| 02 engine calls for the packs | - | 31 |
 | 02 stage wall s | 196.5 | 598.7 |
 | 04 stage wall s | 54.7 | 596.1 |
 | 02 + 04 wall s | 251.3 | 598.7 |
@@ -37,3 +38,13 @@ def test_report_names_the_prepared_run_and_the_largest_loss_difference():
     text = report([OFFLINE, STREAM | {"losses": [2.5, 2.0]}], args)
     assert text.startswith("01 and 03 of RUN, c.yaml, packed 8192, 60 steps; per-step losses equal: False (largest "
                            "difference 0.25)")
+
+
+def test_report_has_a_column_per_stream_window():
+    args = argparse.Namespace(prepared="RUN", samples=0, max_tokens=0, config="c.yaml", packed_length=8192, steps=60)
+    wide = STREAM | {"window_bytes": 2_000_000_000, "data_wait_frac_mean": 0.1, "losses": [2.5, 2.125]}
+    lines = report([OFFLINE, STREAM, wide], args).splitlines()
+    assert "(largest difference 0.125)" in lines[0]
+    assert lines[2] == "| | offline | stream | stream |"
+    assert "| 04 time waiting for data | 0.2% | 34.3% | 10.0% |" in lines
+    assert "| states on disk, most | 44.0 MB | 14.5 MB (window 20 MB) | 14.5 MB (window 2000 MB) |" in lines
