@@ -284,31 +284,62 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     def item_bytes(pack: tuple[int, ...]) -> int:
         return sum(len(train[i].input_ids) for i in pack) * per_token + stream.ITEM_HEADER_BYTES
 
-    in_flight: collections.deque = collections.deque()  # (positions, samples) of batches being captured, in order
+    # (positions, samples) of the batches being captured or put, in order: the oldest may be the writer's
+    in_flight: collections.deque = collections.deque()
+    writing = None  # the writer's batch (a future): encoded and put while the engine captures the next one
 
     def batches():
-        """The next batch of 04's packs as soon as the window has room; while one batch is in flight, the window
-        is asked without waiting (its room may come only once that batch is put): None hands it over first."""
+        """The next batch of 04's packs as soon as the window has room; while a batch is in flight, the window
+        is asked without waiting (its room may come only once that batch is put): None hands a captured batch
+        over first, and a batch being put is waited for where it is the only one in flight."""
         while (positions := producer.next_positions(packs.pack, item_bytes, config.capture.batch_size,
                                                     wait=not in_flight)) != []:
             if positions is None:
+                if writing is not None and len(in_flight) == 1:
+                    finish_writing()
+                    continue
                 yield None
                 continue
             in_flight.append((positions, [train[i] for p in positions for i in packs.pack(p)]))
             yield prompts_of(in_flight[-1][1])
 
+    def put_batch(items: list[tuple[int, int, int]], captured: list[store.SampleStates]) -> None:
+        """Encode and put a captured batch's items, given as (position, epoch, samples): the pack plan is read in
+        the engine's thread only (it plans epochs as the stream reaches them)."""
+        samples = iter(captured)
+        for position, epoch, num_samples in items:
+            started = time.perf_counter()
+            item = stream.PackItem(position, epoch, [next(samples) for _ in range(num_samples)])
+            data = stream.encode_item(item, layout.dtype)
+            encoded = time.perf_counter()
+            producer.put(position, data, sum(s.final.shape[0] for s in item.samples))
+            producer.counts["encode_s"] += encoded - started
+            producer.counts["put_s"] += time.perf_counter() - encoded
+            progress.update()
+
+    def finish_writing() -> None:
+        """Wait for the writer's batch (raising its error here), then let it leave the batches in flight."""
+        nonlocal writing
+        if writing is not None:
+            writing.result()
+            writing = None
+            in_flight.popleft()
+
     progress = tqdm(unit="pack", desc="stream capture")
     waiting = batches()
     first = next(waiting, None)  # the engine starts only if 04 asks for anything
-    for states in [] if first is None else capturer().capture_batches(itertools.chain([first], waiting)):
-        positions, batch = in_flight.popleft()
-        producer.batch_captured()
-        captured = iter(checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
-        for position in positions:
-            epoch, _ = packs.locate(position)
-            item = stream.PackItem(position, epoch, [next(captured) for _ in packs.pack(position)])
-            producer.put(position, stream.encode_item(item, layout.dtype), sum(s.final.shape[0] for s in item.samples))
-            progress.update()
+    with ThreadPoolExecutor(1, thread_name_prefix="stream-writer") as writer:
+        try:
+            for states in [] if first is None else capturer().capture_batches(itertools.chain([first], waiting)):
+                finish_writing()  # one batch in the writer at most
+                positions, batch = in_flight[0]
+                producer.batch_captured()
+                items = [(position, packs.locate(position)[0], len(packs.pack(position))) for position in positions]
+                writing = writer.submit(put_batch, items,
+                                        checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
+            finish_writing()
+        finally:
+            producer.cancel()  # a put still waiting for room stops (after an error; else none waits)
     progress.close()
     if first is not None:
         print(f"stream: {time_split(capturer().seconds)}")
@@ -319,7 +350,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     totals = producer.totals()
     transport.end_stream()
     print(f"stream: captured {totals['packs']:,} packs in {totals['batches']:,} engine calls, {totals['tokens']:,} "
-          f"tokens; the jobs waited {totals['waited_s']:.1f} s in all for 04")
+          f"tokens; the jobs waited {totals['waited_s']:.1f} s in all for 04; their writers encoded the packs in "
+          f"{totals['encode_s']:.1f} s and put them in {totals['put_s']:.1f} s, beside the engine's calls")
     return totals
 
 

@@ -1,11 +1,15 @@
 """Stage 02's side of the stream (stream.py): what a capture job captures next, and putting it within the job's
 share of the window (`window_gb / num_shards`), its `producer-i-of-N` record beating all the while.
+
+Two threads of 02 use a Producer at once: the one driving the engine asks for the next positions while a
+writer thread puts the batch before (capture/stage.py). A lock makes each look at the window whole.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 from eagle3_pipeline.capture.stream import CONSUMER, Transport, Waiter
@@ -32,12 +36,16 @@ class Producer:
         self.share = share_bytes(settings, num_shards)
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
-        # batches: the engine's capture calls, each of one or more packs (their per-call cost is paid per batch)
-        self.counts = {"packs": 0, "batches": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0}
+        # batches: the engine's capture calls, each of one or more packs (their per-call cost is paid per batch);
+        # encode_s, put_s: the writer's seconds encoding the items and putting them (waits for room included)
+        self.counts = {"packs": 0, "batches": 0, "tokens": 0, "bytes": 0, "max_held_bytes": 0,
+                       "encode_s": 0.0, "put_s": 0.0}
         # positions chosen but not yet put (a batch still being captured), with their estimated bytes: not chosen
         # again, and counted against the share
         self.reserved: dict[int, int] = {}
         self._beat_at = 0.0
+        self._lock = threading.RLock()  # one look at the window at a time (the engine's thread and the writer)
+        self._cancelled = threading.Event()
         transport.discard_partial(shard_index, num_shards)
 
     def _mine(self, position: int) -> bool:
@@ -76,6 +84,10 @@ class Producer:
         The positions are reserved until `put`."""
 
         def ready():
+            with self._lock:
+                return choose()
+
+        def choose():
             self.beat("waiting for room")
             sizes, consumer = self._look()
             if consumer.get("finished"):
@@ -128,11 +140,17 @@ class Producer:
     def put(self, position: int, data: bytes, tokens: int) -> None:
         """Make the item visible once this job's items, it included, fit the share; dropped when 04 no longer
         needs it (finished, or moved past it)."""
-        self.reserved.pop(position, None)
 
         def ready():
+            if self._cancelled.is_set():
+                raise StageError(f"stream position {position}: not put, the capture stopped")
+            with self._lock:
+                return place()
+
+        def place():
             sizes, consumer = self._look()
             if consumer.get("finished") or position < consumer.get("next", 0):
+                self.reserved.pop(position, None)
                 return False
             held = sum(sizes.values())
             if held + len(data) > self.share:
@@ -141,6 +159,7 @@ class Producer:
                 self.beat("waiting for room")
                 return None
             self.transport.put(position, data)
+            self.reserved.pop(position, None)  # held from now on: counted in the window's sizes
             self.counts["packs"] += 1
             self.counts["tokens"] += tokens
             self.counts["bytes"] += len(data)
@@ -153,7 +172,12 @@ class Producer:
                          "04_train is not consuming: start it, or rerun it with --resume; rerun this job after")
 
     def batch_captured(self) -> None:
-        self.counts["batches"] += 1
+        with self._lock:
+            self.counts["batches"] += 1
+
+    def cancel(self) -> None:
+        """Make a put that waits for room stop (the capture failed elsewhere), instead of waiting out the timeout."""
+        self._cancelled.set()
 
     def finish(self) -> bool:
         """Delete what is left of this job's items; True when every job of the stream has finished."""
@@ -169,4 +193,5 @@ class Producer:
         """Counters summed over every job's record."""
         records = [self.transport.read_record(producer_record(i, self.num_shards)) or {}
                    for i in range(self.num_shards)]
-        return {key: sum(r.get(key, 0) for r in records) for key in ("packs", "batches", "tokens", "bytes", "waited_s")}
+        return {key: sum(r.get(key, 0) for r in records)
+                for key in ("packs", "batches", "tokens", "bytes", "waited_s", "encode_s", "put_s")}

@@ -302,7 +302,8 @@ class Throughput:
         tokens, keys = int(counts[0]), int(counts[1])
         self.total_tokens += tokens
         values = {**summarize(stats, self.config.train.loss), **extra, "tokens_per_s": tokens / seconds,
-                  "data_wait_frac": self.data_wait / seconds}  # of the main process; 1.0 = training starved
+                  "data_wait_frac": self.data_wait / seconds,  # of the main process; 1.0 = training starved
+                  "interval_s": seconds}  # since the last log point: weights the fractions into a run's share
         if self.peak:
             flops = train_flops(self.config.draft, self.num_aux, self.config.train.ttt_steps, tokens, keys,
                                 not self.config.train.freeze_lm_head)
