@@ -271,6 +271,38 @@ def test_a_batch_in_flight_is_not_chosen_again_and_holds_its_room(tmp_path, thro
     assert sorted(transport.sizes()) == [2] and ask(wait=False) is None
 
 
+def test_a_put_waiting_for_room_keeps_its_reservation_and_stops_once_the_capture_is_cancelled(tmp_path):
+    """02's writer thread puts a batch while the engine's thread asks for the next: a put that waits for room
+    still holds its position's reservation (the other thread neither chooses it again nor counts its room free),
+    and `cancel` (02 failed elsewhere) ends that wait at once instead of after wait_timeout_s."""
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}"])
+    transport = open_transport(config, "run", 1 << 10, lend_bytes=1 << 20)
+    settings = config.capture.stream.model_copy(update={"window_gb": 300 / 1e9, "wait_timeout_s": 60.0})
+    producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
+    transport.write_record(CONSUMER, {"next": 0, "end": 12, "packs_per_step": 1, "time": 1, "stream": "run"})
+    assert producer.next_positions(lambda p: (p,), lambda pack: 100, 3) == [0, 1, 2]
+    for position in (0, 1):
+        producer.put(position, b"x" * 100, 1)
+    failure: list[BaseException] = []
+
+    def put_too_large():
+        try:
+            producer.put(2, b"x" * 150, 1)  # 200 held + 150 > 300: waits for 04
+        except StageError as err:
+            failure.append(err)
+
+    writer = threading.Thread(target=put_too_large)
+    writer.start()
+    time.sleep(0.3)
+    assert writer.is_alive() and producer.next_positions(lambda p: (p,), lambda pack: 100, 3, wait=False) is None
+    started = time.monotonic()
+    producer.cancel()
+    writer.join(timeout=5)
+    assert not writer.is_alive() and time.monotonic() - started < 2
+    assert "stream position 2: not put, the capture stopped" in str(failure[0])
+    assert sorted(transport.sizes()) == [0, 1]
+
+
 def test_every_transport_the_config_names_is_registered_and_implements_the_interface():
     """A transport is one module behind `stream.Transport`: the config's choices and the registry agree, and each
     registered class has every member the interface names."""
