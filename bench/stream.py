@@ -1,17 +1,16 @@
 """Stream mode against offline on the same machine and data, in one run: training tokens/s, wall time, and
 the share of its time each side waited for the other.
 
-Shared 01 and 03 (real HumanEval chats on the demo target, SmolLM2-135M-Instruct), then two runs of 02 + 04:
+Shared 01 and 03 (real HumanEval chats on the demo target, SmolLM2-135M-Instruct), then runs of 02 + 04:
 
     offline   02 writes every sample's states, then 04 trains on them
     stream    02 and 04 started together (capture.mode stream), once per `--window-gb` given
 
 Per run: 04's tokens/s (median over its logged steps), the share of its steps' time (the first, start-up,
-left out) spent waiting for data (`data_wait_frac` weighted by `interval_s`, from metrics.jsonl), 02's time waiting for room in the window (stream: its manifest), the
-wall time of each stage and of the whole run, the engine calls 02 took for its packs, and the most stream
-bytes seen on disk. 04 reads its data as the
-config says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs/demo_gpu.yaml 2 loader
-workers).
+left out) spent waiting for data (`data_wait_frac` weighted by `interval_s`, from metrics.jsonl), 02's time
+waiting for room in the window (stream: its manifest), the wall time of each stage and of the whole run, the
+engine calls 02 took for its packs, and the most stream bytes seen on disk. 04 reads its data as the config
+says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs/demo_gpu.yaml 2 loader workers).
 
     python -m bench.stream                          # writes bench/results/stream.json and stream.md
     python -m bench.stream --samples 32 --steps 16  # smaller

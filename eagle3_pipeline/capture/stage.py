@@ -284,7 +284,9 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     def item_bytes(pack: tuple[int, ...]) -> int:
         return sum(len(train[i].input_ids) for i in pack) * per_token + stream.ITEM_HEADER_BYTES
 
-    # (positions, samples) of the batches being captured or put, in order: the oldest may be the writer's
+    # (items, samples) of the batches being captured or put, in order: the oldest may be the writer's; an item is
+    # (position, epoch, samples in its pack), read from the pack plan here, in the engine's thread only (it plans
+    # epochs as the stream reaches them)
     in_flight: collections.deque = collections.deque()
     writing = None  # the writer's batch (a future): encoded and put while the engine captures the next one
 
@@ -300,12 +302,12 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
                     continue
                 yield None
                 continue
-            in_flight.append((positions, [train[i] for p in positions for i in packs.pack(p)]))
+            items = [(p, packs.locate(p)[0], len(packs.pack(p))) for p in positions]
+            in_flight.append((items, [train[i] for p in positions for i in packs.pack(p)]))
             yield prompts_of(in_flight[-1][1])
 
     def put_batch(items: list[tuple[int, int, int]], captured: list[store.SampleStates]) -> None:
-        """Encode and put a captured batch's items, given as (position, epoch, samples): the pack plan is read in
-        the engine's thread only (it plans epochs as the stream reaches them)."""
+        """Encode and put a captured batch's items (in the writer thread)."""
         samples = iter(captured)
         for position, epoch, num_samples in items:
             started = time.perf_counter()
@@ -332,9 +334,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
         try:
             for states in [] if first is None else capturer().capture_batches(itertools.chain([first], waiting)):
                 finish_writing()  # one batch in the writer at most
-                positions, batch = in_flight[0]
+                items, batch = in_flight[0]
                 producer.batch_captured()
-                items = [(position, packs.locate(position)[0], len(packs.pack(position))) for position in positions]
                 writing = writer.submit(put_batch, items,
                                         checked(batch, states, len(layout.aux_layer_ids), layout.hidden_size))
             finish_writing()

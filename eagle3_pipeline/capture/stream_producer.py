@@ -44,7 +44,7 @@ class Producer:
         # again, and counted against the share
         self.reserved: dict[int, int] = {}
         self._beat_at = 0.0
-        self._lock = threading.RLock()  # one look at the window at a time (the engine's thread and the writer)
+        self._lock = threading.Lock()  # one look at the window at a time (the engine's thread and the writer)
         self._cancelled = threading.Event()
         transport.discard_partial(shard_index, num_shards)
 

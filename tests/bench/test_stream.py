@@ -10,8 +10,8 @@ from bench.stream import report, training_figures
 OFFLINE = {"tokens_per_s_median": 583.4, "data_wait_share": 0.002, "steps_s": 2.6, "capture_stage_s": 196.5,
            "train_stage_s": 54.7, "wall_s": 251.3, "bytes_on_disk": 44_000_000, "losses": [2.5, 2.25]}
 STREAM = {"tokens_per_s_median": 84.2, "data_wait_share": 0.343, "steps_s": 17.0, "capture_wait_frac": 0.0341,
-          "capture_batches": 31, "capture_stage_s": 598.7, "train_stage_s": 596.1, "wall_s": 598.7, "most_held_bytes": 14_500_000,
-          "window_bytes": 20_000_000, "losses": [2.5, 2.25]}
+          "capture_batches": 31, "capture_stage_s": 598.7, "train_stage_s": 596.1, "wall_s": 598.7,
+          "most_held_bytes": 14_500_000, "window_bytes": 20_000_000, "losses": [2.5, 2.25]}
 
 
 def test_report_table():
