@@ -93,7 +93,7 @@ PHASES = [
     [[capture_overhead("worker_extension"),
       Job("stream", "configs/demo_gpu.yaml", bench=[
           "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
-          "--steps", "60", "--packed-length", "8192", "--window-gb", "0.2", "2", "--work", "$WORK/stream",
+          "--steps", "60", "--packed-length", "8192", "--window-gb", "0.4", "2", "--work", "$WORK/stream",
           "--out", "$OUT/stream_gpu.json"]),
       capture_overhead("extract_hidden_states")]],
     # the GPU demo alone on the GPU, 01-06: the per-stage figures

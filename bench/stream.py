@@ -14,7 +14,7 @@ says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs
 
     python -m bench.stream                          # writes bench/results/stream.json and stream.md
     python -m bench.stream --samples 32 --steps 16  # smaller
-    python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ... --window-gb 0.2 2
+    python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ... --window-gb 0.4 2
                                                     # on a GPU: another config, RUN's 01_data and 03_vocab,
                                                     # a stream run per window
 """

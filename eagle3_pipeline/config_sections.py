@@ -263,7 +263,8 @@ class StreamConfig(Section):
         1800.0, gt=0, description="a side that waits this long for the other exits 1 naming it (04 writes a "
         "checkpoint first); rerun the side that stopped and the stream goes on",
     )
-    poll_s: float = runtime(0.2, gt=0, description="how often a waiting side looks again")
+    poll_s: float = runtime(0.2, gt=0, description="longest pause between a waiting side's looks (they start 1 ms "
+                             "apart and the pause doubles up to this)")
 
 
 class CaptureConfig(Section):

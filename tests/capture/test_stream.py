@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from eagle3_pipeline.capture.store import SampleStates
+from eagle3_pipeline.capture import stream as stream_module
 from eagle3_pipeline.capture.stream import (
     CONSUMER,
     TRANSPORTS,
     PackItem,
     Transport,
+    Waiter,
     decode_item,
     encode_item,
     open_transport,
@@ -301,6 +303,17 @@ def test_a_put_waiting_for_room_keeps_its_reservation_and_stops_once_the_capture
     assert not writer.is_alive() and time.monotonic() - started < 2
     assert "stream position 2: not put, the capture stopped" in str(failure[0])
     assert sorted(transport.sizes()) == [0, 1]
+
+
+def test_a_waiting_side_looks_again_after_1_ms_then_doubles_the_pause_up_to_poll_s(monkeypatch):
+    """04 on a GPU trains a pack in ~44 ms: an item that lands a few ms after a miss must be seen a few ms later,
+    not after a whole poll_s (0.2 s), while a long wait still looks only every poll_s."""
+    pauses: list[float] = []
+    monkeypatch.setattr(stream_module.time, "sleep", pauses.append)
+    looks = iter([None] * 11 + ["item"])
+    waiter = Waiter(StreamConfig(poll_s=0.2, wait_timeout_s=60), "04_train")
+    assert waiter.wait(lambda: next(looks), lambda: "position 0", lambda: 0, "rerun") == "item"
+    assert pauses == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.2, 0.2, 0.2]
 
 
 def test_every_transport_the_config_names_is_registered_and_implements_the_interface():
