@@ -80,6 +80,14 @@ def capture_overhead(method: str) -> Job:
         *SMOL_SETS, "--method", method, "--max-samples", "1500", "--out", f"$OUT/capture_overhead_{method}.json"])
 
 
+def stream_job(name: str, method: str) -> Job:
+    """Stream mode against offline at the GPU demo's shape, in the demo's window and a larger one."""
+    return Job(name, "configs/demo_gpu.yaml", bench=[
+        "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
+        "--set", f"capture.method={method}", "--steps", "60", "--packed-length", "8192", "--window-gb", "0.4", "2",
+        "--work", f"$WORK/{name}", "--out", f"$OUT/{name.replace('-', '_')}_gpu.json"])
+
+
 # Phases run one after the other; the chains of a phase at once, the jobs of a chain in order.
 PHASES = [
     # the tiny Kimi under both runners (the MRv2 job starts from the V1 job's 01_data once it exists), and the
@@ -91,10 +99,8 @@ PHASES = [
      [Job("smollm2-prepare", "configs/demo_gpu.yaml", ("01_data", "03_vocab"), SMOL_SHARE)]],
     # alone on the GPU: what capture costs against plain prefill; stream mode (02 and 04 at once) against offline
     [[capture_overhead("worker_extension"),
-      Job("stream", "configs/demo_gpu.yaml", bench=[
-          "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
-          "--steps", "60", "--packed-length", "8192", "--window-gb", "0.4", "2", "--work", "$WORK/stream",
-          "--out", "$OUT/stream_gpu.json"]),
+      stream_job("stream", "auto"),
+      stream_job("stream-worker_extension", "worker_extension"),
       capture_overhead("extract_hidden_states")]],
     # the GPU demo alone on the GPU, 01-06: the per-stage figures
     [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"])]],
