@@ -9,8 +9,10 @@ writer thread; 04's loader workers get, check and decode it) and their coordinat
 
 The defaults are the H100 run's (bench/results/gpu_pipeline.md): a pack of 8,192 rows (37.7 MB) trains in 44 ms;
 extract_hidden_states captured 60 packs in 3.7 s of prefill (62 ms a pack), the worker extension captures the same
-tokens in 56% of that time (41 ms). `--first-poll-s 0.2` makes every look 0.2 s apart, as before waits began
-after 1 ms and doubled. Writes bench/results/stream_handoff.{json,md}.
+tokens in 56% of that time (41 ms). `--first-poll-s 0.2` makes every look of a waiting side 0.2 s apart (the
+old behaviour); 0.001 is the pipeline's (1 ms, then doubling up to poll_s). Packs of 2,048 rows keep the host's
+work small where few cores would otherwise make it the bottleneck (bench/results/README.md). Writes
+bench/results/stream_handoff.{json,md}.
 """
 
 from __future__ import annotations
