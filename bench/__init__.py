@@ -11,7 +11,7 @@ each bench's question, hardware, output, latest result and command, and the reti
     capture_overhead     02's capture against the same engine's plain prefill
     stream               stream mode against offline on one machine
     stream_items         one stream item's host cost per side: 02's encode and put, 04's get, check and decode
-    stream_handoff       the stream's hand-over alone at a GPU run's pace (the GPU's work as sleeps)
+    stream_handoff       the stream's hand-over alone at a GPU run's pace (the GPU's work as sleeps or products)
     speed_model          06's speed model against the speed-up vLLM measures, run again and again or read from reports
     kimi_speedup         the speed-up 06's model predicts for Kimi-K2.5 from bytes and GPU 06 reports' host parts
     train_throughput     04's step at the Kimi draft's shape against speculators' step

@@ -99,8 +99,8 @@ PHASES = [
      [Job("smollm2-prepare", "configs/demo_gpu.yaml", ("01_data", "03_vocab"), SMOL_SHARE)]],
     # alone on the GPU: what capture costs against plain prefill; stream mode (02 and 04 at once) against offline
     [[capture_overhead("worker_extension"),
-      stream_job("stream", "auto"),
-      stream_job("stream-worker_extension", "worker_extension"),
+      stream_job("stream", "auto"),  # on a GPU auto takes the worker extension
+      stream_job("stream-extract_hidden_states", "extract_hidden_states"),
       capture_overhead("extract_hidden_states")]],
     # the GPU demo alone on the GPU, 01-06: the per-stage figures
     [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"])]],

@@ -273,7 +273,8 @@ class CaptureConfig(Section):
     )
     dtype: Literal["bfloat16", "fp8"] = Field("bfloat16", description="fp8 = e4m3 with a per-token scale")
     method: Literal["auto", "extract_hidden_states", "worker_extension"] = Field(
-        "auto", description="auto = vLLM's extract_hidden_states from 0.18 on (not for MLA targets), else the worker extension"
+        "auto", description="auto = vLLM's extract_hidden_states for a dense target on CPU (vLLM 0.18 on), else the "
+        "worker extension (MLA targets; on a GPU it captures faster)"
     )
     samples_per_shard: int = runtime(256, ge=1, description="samples per safetensors shard: the unit a rerun redoes "
                                 "(partial work resumes in the shards it began with; 04 reads states through the index)")

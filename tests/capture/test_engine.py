@@ -1,4 +1,4 @@
-"""engine.py's overlapped capture without vLLM: the order a capturer's two halves run in."""
+"""engine.py without an engine: the order a capturer's two halves run in, and which capture path `auto` takes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from eagle3_pipeline.capture.engine import CaptureSeconds, OverlappedCapture
+from eagle3_pipeline.capture import engine
+from eagle3_pipeline.capture.engine import CaptureSeconds, OverlappedCapture, choose_method
 
 
 class Recorded(OverlappedCapture):
@@ -74,3 +75,14 @@ def test_a_none_in_the_batches_hands_over_the_batch_in_flight_first():
     for states in capturer.capture_batches(batches()):
         delivered.append(states)
     assert delivered == [[0], [10]] and capturer.log.count("prefill 1 start") == 1
+
+
+def test_auto_takes_extract_hidden_states_for_a_dense_target_on_cpu_and_the_worker_extension_on_a_gpu(monkeypatch):
+    dense, mla = {"num_hidden_layers": 30}, {"num_hidden_layers": 8, "kv_lora_rank": 512}
+    monkeypatch.setattr(engine, "vllm_version", lambda: engine.FIRST_VLLM_WITH_EXTRACTION)
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    assert choose_method("auto", dense) == "extract_hidden_states"
+    assert choose_method("auto", mla) == "worker_extension"
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    assert choose_method("auto", dense) == "worker_extension"
+    assert choose_method("extract_hidden_states", dense) == "extract_hidden_states"  # named: as named

@@ -182,11 +182,14 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
     wait_ok(start("05_export.py", run_dir), "05 after a streamed 02")
 
 
-def test_04_takes_the_stream_in_data_loader_workers_as_in_its_own_process(prepared, offline):
-    """train.num_workers 2, the GPU configs' setting: the loader's workers read and decode the stream's items,
-    asking for more than the window holds (prefetch), and 04 still trains on the offline run's batches."""
+def test_04_takes_the_stream_in_data_loader_workers_from_the_worker_extension(prepared, offline):
+    """The GPU configs' settings: train.num_workers 2, the loader's workers read and decode the stream's items,
+    asking for more than the window holds (prefetch); the capture path `auto` takes on a GPU (and for Kimi), the
+    worker extension. 04 still trains on the offline run's batches (captured through extract_hidden_states)."""
     run_dir = new_run(prepared, "workers")
-    most_held = run_both(run_dir, extra=["train.num_workers=2"])
+    most_held = run_both(run_dir, extra=["train.num_workers=2", "capture.method=worker_extension"])
+    [capture_log] = run_dir.parent.glob(f"{run_dir.name}-02-*.log")
+    assert "capture path: worker_extension" in capture_log.read_text()
     assert 0 < most_held <= WINDOW_BYTES
     assert_same_training(run_dir, offline, rel=1e-4)
     assert trained_on(run_dir) == trained_on(offline)
