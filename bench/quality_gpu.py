@@ -73,6 +73,10 @@ LEVERS: dict[str, list[str]] = {
     "mla": [*MLA_HEADS, "draft.q_lora_rank=64"],
     "mla-eagle3.1": [*MLA_HEADS, "draft.q_lora_rank=64", "draft.fc_norm=true", "draft.norm_output=true",
                      "train.standardize_aux=false"],
+    # the MLA layer's query through a rank of half the layer's input (2 x hidden) rather than the eighth above (the
+    # tiny Kimi's own q_lora_rank, in proportion Kimi-K2.5's 1536 of 14336): whether the low-rank query is what it
+    # loses to the Llama layer's full-rank q_proj on
+    "mla-q_lora-half": [*MLA_HEADS, "draft.q_lora_rank={hidden}"],
     # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03; the loss a chunk
     # of rows at a time (the same values), so that its [rows, vocab] float32 logits do not crowd the GPU it shares
     "full-vocab": ["draft.draft_vocab_size={target_vocab}", "train.loss_chunk_rows=1024"],
@@ -170,14 +174,16 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
 
 
 def lever_values(args, largest: int, lever: list[str]) -> dict:
-    """What a lever's settings name in braces: {warmup} (5% of the largest budget), {target_vocab} (the target's
-    vocabulary size, read from the target only for a lever that names it)."""
-    values = {"warmup": max(1, largest // 20)}
+    """What a lever's settings name in braces: {warmup} (5% of the largest budget), {hidden} (the draft's hidden
+    size), {target_vocab} (the target's vocabulary size, read from the target only for a lever that names it)."""
+    from eagle3_pipeline.config import load_config
+
+    config = load_config(args.config, [])
+    values = {"warmup": max(1, largest // 20), "hidden": config.draft.hidden_size}
     if any("{target_vocab}" in setting for setting in lever):
-        from eagle3_pipeline.config import load_config
         from eagle3_pipeline.target import target_facts
 
-        values["target_vocab"] = target_facts(load_config(args.config, []))["vocab_size"]
+        values["target_vocab"] = target_facts(config)["vocab_size"]
     return values
 
 

@@ -123,6 +123,11 @@ def test_the_kimi_config_and_the_mla_levers():
     args = argparse.Namespace(config=kimi, curve_steps=[640], levers=["mla@0,1,2"], lever_seeds=[0], jobs=["levers"])
     assert [(name, seed) for name, _, _, seed, _ in draft_jobs(args)] == [
         ("mla-640-s0", 0), ("mla-640-s1", 1), ("mla-640-s2", 2)]
+    for path, hidden in ((BENCH_CONFIG, 576), (kimi, 256)):  # the query's rank: half the layer's 2 x hidden input
+        args = argparse.Namespace(config=path, curve_steps=[640], levers=["mla-q_lora-half"], lever_seeds=[0],
+                                  jobs=["levers"])
+        [(name, _, _, _, overrides)] = draft_jobs(args)
+        assert load_config(path, overrides).draft.q_lora_rank == hidden == load_config(path, []).draft.hidden_size
 
 
 def test_the_serve_phase_serves_the_final_rows_and_the_best_lever_once():
