@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import torch
 from packaging.version import Version
 
-from eagle3_pipeline.capture.handover import in_memory_where_room, load_captured
 from eagle3_pipeline.config import RunConfig
 from eagle3_pipeline.data.vision import Prompt, Vision, request
 from eagle3_pipeline.engine import on_cpu, start_engine
@@ -161,18 +160,11 @@ def open_capturer(config: RunConfig, model_dir: Path, text_config: dict, aux_lay
         require_applied(*REQUIRED_PATCHES[method])
     except PatchError as err:
         raise StageError(str(err)) from None
+    num_layers = text_config["num_hidden_layers"]
     print(f"capture path: {method} (vLLM {vllm_version()}){', text only' if text_only else ''}")
     if method == "extract_hidden_states":
-        return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, text_config, text_only)
-    return WorkerExtensionCapturer(config, model_dir, aux_layer_ids, text_config, text_only)
-
-
-def spool(config: RunConfig, text_config: dict, states_per_token: int) -> tempfile.TemporaryDirectory:
-    """The folder vLLM's worker writes each request's states into (or, mapped, where they lie) for 02 to read once
-    and remove: in memory where /dev/shm has room for two batches of the longest samples in float32 (a batch's
-    files are read while the next batch's are written), else the temp dir."""
-    room = 2 * config.capture.batch_size * config.data.max_seq_len * states_per_token * text_config["hidden_size"] * 4
-    return tempfile.TemporaryDirectory(prefix="hidden-states-", dir=in_memory_where_room(room))
+        return ExtractHiddenStatesCapturer(config, model_dir, aux_layer_ids, num_layers, text_only)
+    return WorkerExtensionCapturer(config, model_dir, aux_layer_ids, text_only)
 
 
 def _prompts(prompts: list[Prompt], vision: Vision | None):
@@ -192,15 +184,14 @@ class WorkerExtensionCapturer(OverlappedCapture):
     # the layers are chosen after the engine starts (eagle3_pipeline/capture/worker.py); prefixes must not be skipped
     ENGINE_SETTINGS = {"enforce_eager": True, "enable_prefix_caching": False}
 
-    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], text_config: dict,
-                 text_only: bool):
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], text_only: bool):
         from eagle3_pipeline.capture.worker import EXTENSION, check_runner_support
 
         try:  # before the weights load: nothing the runner lacks is found after minutes of loading
             check_runner_support()
         except RuntimeError as err:
             raise StageError(str(err)) from None
-        self.spool = spool(config, text_config, len(aux_layer_ids) + 1)  # the worker hands states over as files
+        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
         self.seconds = CaptureSeconds()
         self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
         # aux_layer_ids are ascending wherever a config gives them (capture.aux_layer_ids is checked), so this
@@ -219,6 +210,8 @@ class WorkerExtensionCapturer(OverlappedCapture):
         return outputs, captured
 
     def _collect(self, prefilled: tuple[list, dict[str, str]]) -> list[CapturedStates]:
+        from eagle3_pipeline.capture.handover import load_captured
+
         columns = slice(None) if self.column_of is None else self.column_of  # a slice takes a view, not a copy
         return [(c["aux_hidden_states"][:, columns], c["final_hidden_state"]) for c in load_captured(*prefilled)]
 
@@ -226,13 +219,11 @@ class WorkerExtensionCapturer(OverlappedCapture):
 class ExtractHiddenStatesCapturer(OverlappedCapture):
     ENGINE_SETTINGS = {"enable_prefix_caching": False}  # a cached prefix would not be prefilled, nor captured
 
-    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], text_config: dict,
-                 text_only: bool):
+    def __init__(self, config: RunConfig, model_dir: Path, aux_layer_ids: list[int], num_layers: int, text_only: bool):
         from patches.vllm_cpu_hidden_states_connector import hidden_states_connector
 
         self.num_aux = len(aux_layer_ids)
-        num_layers = text_config["num_hidden_layers"]
-        self.spool = spool(config, text_config, self.num_aux + 1)  # the connector writes a file per request
+        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")
         self.seconds = CaptureSeconds()
         self.llm = start_engine(
             config.target, model_dir, text_only=text_only, **self.ENGINE_SETTINGS,

@@ -13,7 +13,7 @@ RPC results are not a way to move gigabytes, and vLLM's RPC does not return tens
 - `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
 
 Either way `pop_captured` writes (`write_request`) into a directory the caller names and `load_captured` reads
-and removes what it wrote: 02 names one in memory where /dev/shm has room (engine.spool).
+and removes what it wrote. A local fast disk or /dev/shm suits.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this 
 CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)
 ALIGN = 4096
 ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
-SHM = "/dev/shm"
 STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
 
 
@@ -45,10 +44,12 @@ class MappedArena:
     round before stays readable while the next one is written."""
 
     def __init__(self, pin: bool, directory: str | None = None):
-        for parent in {directory, SHM if os.path.isdir(SHM) else None, tempfile.gettempdir()} - {None}:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        for parent in {directory, shm, tempfile.gettempdir()} - {None}:
             _remove_orphans(parent)
         self.slab_bytes = SLAB_BYTES if pin else CPU_SLAB_BYTES
-        directory = directory or in_memory_where_room(2 * self.slab_bytes)
+        if directory is None and shm and shutil.disk_usage(shm).free > 2 * self.slab_bytes:
+            directory = shm
         self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
         self.mapped: dict[str, torch.Tensor] = {}  # every slab by path (read_step's cache in the worker)
@@ -111,13 +112,6 @@ class MappedArena:
                                    f"{int(status)}); set_capture_layers(..., handover='pageable') avoids it")
         self.mapped[path] = slab
         return path, slab
-
-
-def in_memory_where_room(nbytes: int) -> str | None:
-    """/dev/shm (a tmpfs: files there are pages of memory, never written to a disk) where it has more than `nbytes`
-    free, else None (tempfile's default folder). A hand-over's files are read once and removed, so a disk's writes
-    are pure cost; Docker's default /dev/shm of 64 MB is why the room is checked."""
-    return SHM if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > nbytes else None
 
 
 def _remove_orphans(parent: str) -> None:

@@ -1,20 +1,14 @@
-"""engine.py without an engine: the order a capturer's two halves run in, which capture path `auto` takes, and where
-the states are handed over."""
+"""engine.py without an engine: the order a capturer's two halves run in, and which capture path `auto` takes."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.capture import engine, handover
+from eagle3_pipeline.capture import engine
 from eagle3_pipeline.capture.engine import CaptureSeconds, OverlappedCapture, choose_method
-from eagle3_pipeline.config import load_config
-from tests.conftest import CONFIGS
 
 
 class Recorded(OverlappedCapture):
@@ -92,20 +86,3 @@ def test_auto_takes_extract_hidden_states_for_a_dense_target_on_cpu_and_the_work
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
     assert choose_method("auto", dense) == "worker_extension"
     assert choose_method("extract_hidden_states", dense) == "extract_hidden_states"  # named: as named
-
-
-def test_the_spool_is_in_memory_where_dev_shm_has_room_for_two_batches_of_the_longest_samples(monkeypatch, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    monkeypatch.setattr(handover, "SHM", str(shm))
-    config = load_config(CONFIGS / "demo.yaml", ["capture.batch_size=4", "data.max_seq_len=64"])
-    two_batches = 2 * 4 * 64 * 4 * 576 * 4  # batches x samples x tokens x states x SmolLM2's hidden size x float32
-    free = 10 * two_batches
-    monkeypatch.setattr(handover.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
-    with engine.spool(config, {"hidden_size": 576}, 4) as folder:
-        assert Path(folder).parent == shm
-    free = two_batches
-    with engine.spool(config, {"hidden_size": 576}, 4) as folder:
-        assert Path(folder).parent == Path(tempfile.gettempdir())
-    monkeypatch.setattr(handover, "SHM", str(tmp_path / "absent"))
-    assert handover.in_memory_where_room(1) is None
