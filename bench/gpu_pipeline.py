@@ -81,7 +81,7 @@ def capture_overhead(method: str) -> Job:
 
 
 def stream_job(name: str, method: str) -> Job:
-    """Stream mode against offline at the GPU demo's shape, in the demo's window and a larger one."""
+    """Stream mode against offline at the GPU demo's shape, within 0.4 GB (10 packs) and the demo's 2 GB."""
     return Job(name, "configs/demo_gpu.yaml", bench=[
         "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
         "--set", f"capture.method={method}", "--steps", "60", "--packed-length", "8192", "--window-gb", "0.4", "2",
