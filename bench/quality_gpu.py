@@ -73,8 +73,8 @@ LEVERS: dict[str, list[str]] = {
     "mla": [*MLA_HEADS, "draft.q_lora_rank=64"],
     "mla-eagle3.1": [*MLA_HEADS, "draft.q_lora_rank=64", "draft.fc_norm=true", "draft.norm_output=true",
                      "train.standardize_aux=false"],
-    # the MLA layer's query through a rank of half the layer's input (2 x hidden) rather than the eighth above (the
-    # tiny Kimi's own q_lora_rank, in proportion Kimi-K2.5's 1536 of 14336): whether the low-rank query is what it
+    # the MLA layer's query through a rank of half the layer's input (2 x hidden) rather than the 64 above (an eighth
+    # of the tiny Kimi's 512, about Kimi-K2.5's proportion, 1536 of 14336): whether the low-rank query is what it
     # loses to the Llama layer's full-rank q_proj on
     "mla-q_lora-half": [*MLA_HEADS, "draft.q_lora_rank={hidden}"],
     # the draft over the target's whole vocabulary (no d2t/t2d; docs/draft_layouts.md), its own 03; the loss a chunk
@@ -153,16 +153,18 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
         jobs += [(f"{trainer}-{largest}-s{seed}", trainer, largest, seed, [])
                  for seed in ((1, 2) if "curve" in args.jobs else (0, 1, 2)) for trainer in ("ours", "speculators")]
     asked = dict(lever_seeds(item, args.lever_seeds) for item in args.levers or [])
+    if "levers" not in args.jobs:
+        return jobs
+    config = load_config(args.config, [])  # what the levers' settings name in braces is read from
     for lever in asked or [*LEVERS, *THEIR_LEVERS]:  # in the order asked
-        if "levers" not in args.jobs:
-            break
         if lever in THEIR_LEVERS:
             jobs += [(f"{lever}-{largest}-s{seed}", "speculators", largest, seed, THEIR_LEVERS[lever])
                      for seed in asked.get(lever, args.lever_seeds)]
             continue
         if lever not in LEVERS:
             raise SystemExit(f"--levers {lever}: not one of {', '.join([*LEVERS, *THEIR_LEVERS])}")
-        overrides = [o.format(**lever_values(args, largest, LEVERS[lever])) for o in LEVERS[lever]]
+        values = lever_values(config, largest, LEVERS[lever])
+        overrides = [o.format(**values) for o in LEVERS[lever]]
         try:
             load_config(args.config, overrides)
         except ConfigError as err:  # a lever this checkout does not have
@@ -173,12 +175,10 @@ def draft_jobs(args) -> list[tuple[str, str, int, int, list[str]]]:
     return jobs
 
 
-def lever_values(args, largest: int, lever: list[str]) -> dict:
-    """What a lever's settings name in braces: {warmup} (5% of the largest budget), {hidden} (the draft's hidden
-    size), {target_vocab} (the target's vocabulary size, read from the target only for a lever that names it)."""
-    from eagle3_pipeline.config import load_config
-
-    config = load_config(args.config, [])
+def lever_values(config, largest: int, lever: list[str]) -> dict:
+    """What a lever's settings name in braces, from the bench's `config`: {warmup} (5% of the largest budget),
+    {hidden} (the draft's hidden size), {target_vocab} (the target's vocabulary size, read from the target only for
+    a lever that names it)."""
     values = {"warmup": max(1, largest // 20), "hidden": config.draft.hidden_size}
     if any("{target_vocab}" in setting for setting in lever):
         from eagle3_pipeline.target import target_facts
