@@ -8,6 +8,8 @@ that long on an idle GPU, so 02 and 04 share one GPU as they do in stream mode o
     python -m bench.stream_handoff                          # the GPU demo's pace, both capture paths, both polls
     python -m bench.stream_handoff --capture-ms 62 --first-poll-s 0.2 --steps 60
     python -m bench.stream_handoff --device cuda            # the two sides' GPU work on one shared GPU
+    python -m bench.stream_handoff --call-ms 90 --ahead-gb 0 0.1   # a fixed cost per engine call; 02 capturing
+                                                            # ahead of the window's room (capture.stream.ahead_gb)
 
 The defaults are the H100 run's (bench/results/gpu_pipeline.md): a pack of 8,192 rows (37.7 MB) trains in 44 ms;
 extract_hidden_states captured 60 packs in 3.7 s of prefill (62 ms a pack), the worker extension captures the same
@@ -82,10 +84,11 @@ def demo_pack(rows: int) -> tuple[PackItem, list[tuple[str, int]], int]:
     return item, expected, len(encode_item(item, "bfloat16"))
 
 
-def capture(folder: Path, settings: StreamConfig, capture_s: float, rows: int, device: str | None,
+def capture(folder: Path, settings: StreamConfig, capture_s: float, call_s: float, rows: int, device: str | None,
             engine_seconds) -> None:
-    """02: the engine's thread asks for positions and works the engine's time per batch (`engine_seconds` adds up
-    what it took); a writer thread encodes and puts the batch before (capture/stage.py's stream_packs)."""
+    """02: the engine's thread asks for positions and works the engine's time per batch, `call_s` plus `capture_s`
+    a pack (`engine_seconds` adds up what it took); a writer thread encodes and puts the batch before
+    (capture/stage.py's stream_packs)."""
     item, expected, item_bytes = demo_pack(rows)
     engine = gpu_work(device)
     producer = Producer(DirectoryTransport(folder), settings, 0, 1, identity=lambda: IDENTITY)
@@ -99,7 +102,7 @@ def capture(folder: Path, settings: StreamConfig, capture_s: float, rows: int, d
         while positions := producer.next_positions(lambda p: range(len(expected)), lambda pack: item_bytes,
                                                    BATCH_SAMPLES):
             started = time.perf_counter()
-            engine(capture_s * len(positions))
+            engine(call_s + capture_s * len(positions))
             engine_seconds.value += time.perf_counter() - started
             producer.batch_captured()
             if writing is not None:
@@ -123,16 +126,17 @@ def set_first_poll(first_poll_s: float) -> None:
 
 
 def run(folder: Path, steps: int, capture_s: float, train_s: float, first_poll_s: float, window_gb: float,
-        poll_s: float, loader_workers: int, rows: int, device: str | None = None) -> dict:
+        poll_s: float, loader_workers: int, rows: int, device: str | None = None, call_s: float = 0.0,
+        ahead_gb: float = 0.0) -> dict:
     """02 in a process of its own, 04's loader workers in processes, as the pipeline runs them (no shared GIL)."""
     set_first_poll(first_poll_s)
     train = gpu_work(device)
-    settings = StreamConfig(window_gb=window_gb, poll_s=poll_s, wait_timeout_s=60)
+    settings = StreamConfig(window_gb=window_gb, ahead_gb=ahead_gb, poll_s=poll_s, wait_timeout_s=60)
     consumer = Consumer(DirectoryTransport(folder), settings, IDENTITY)
     consumer.advance(0, steps, 1, 0)
     spawn = multiprocessing.get_context("spawn")  # fork after torch's thread pools started may hang a child
     engine_seconds = spawn.Value("d", 0.0)
-    capturing = spawn.Process(target=capture, args=(folder, settings, capture_s, rows, device, engine_seconds))
+    capturing = spawn.Process(target=capture, args=(folder, settings, capture_s, call_s, rows, device, engine_seconds))
     capturing.start()
     waits, step_seconds, train_seconds = [], [], []
     # each worker keeps two packs in flight, as a DataLoader with prefetch_factor 2
@@ -156,8 +160,9 @@ def run(folder: Path, steps: int, capture_s: float, train_s: float, first_poll_s
     capturing.join()
     record = DirectoryTransport(folder).read_record(producer_record(0, 1))
     # the first step waits for the first engine call whatever the hand-over does: steps 2.. as in bench/stream.py
-    return {"capture_ms": capture_s * 1e3, "train_ms": train_s * 1e3, "first_poll_s": first_poll_s, "device": device,
-            "capture_ms_taken": engine_seconds.value / record["packs"] * 1e3,
+    return {"capture_ms": capture_s * 1e3, "call_ms": call_s * 1e3, "ahead_gb": ahead_gb, "train_ms": train_s * 1e3,
+            "first_poll_s": first_poll_s, "device": device,
+            "capture_ms_taken": engine_seconds.value / record["packs"] * 1e3,  # the calls' cost included
             "train_ms_taken": sum(train_seconds[1:]) / (steps - 1) * 1e3,
             "data_wait_share": sum(waits[1:]) / sum(step_seconds[1:]), "steps_s": sum(step_seconds[1:]),
             "train_s": train_s * (steps - 1), "rate_floor": max(0.0, 1 - train_s / capture_s),
@@ -169,6 +174,8 @@ def main() -> None:
     cli = parser(__doc__)
     cli.add_argument("--steps", type=int, default=60)
     cli.add_argument("--capture-ms", type=float, nargs="+", default=[62.0, 41.0], help="02's engine, per pack")
+    cli.add_argument("--call-ms", type=float, default=0.0, help="02's engine, per call (on top of per pack)")
+    cli.add_argument("--ahead-gb", type=float, nargs="+", default=[0.0], help="capture.stream.ahead_gb")
     cli.add_argument("--train-ms", type=float, default=44.0, help="04's step on one pack")
     cli.add_argument("--first-poll-s", type=float, nargs="+", default=[0.2, 0.001])
     cli.add_argument("--window-gb", type=float, default=0.4)
@@ -179,25 +186,28 @@ def main() -> None:
     cli.add_argument("--out", type=Path, default=RESULTS / "stream_handoff")
     args = cli.parse_args()
     runs = []
-    for capture_ms, first_poll_s in itertools.product(args.capture_ms, args.first_poll_s):
+    for capture_ms, first_poll_s, ahead_gb in itertools.product(args.capture_ms, args.first_poll_s, args.ahead_gb):
         with tempfile.TemporaryDirectory() as folder:
             runs.append(run(Path(folder), args.steps, capture_ms / 1e3, args.train_ms / 1e3, first_poll_s,
-                            args.window_gb, args.poll_s, args.loader_workers, args.rows, args.device))
+                            args.window_gb, args.poll_s, args.loader_workers, args.rows, args.device,
+                            args.call_ms / 1e3, ahead_gb))
         print(runs[-1])
     command = (f"python -m bench.stream_handoff --steps {args.steps} --capture-ms {' '.join(map(str, args.capture_ms))}"
                f" --train-ms {args.train_ms} --first-poll-s {' '.join(map(str, args.first_poll_s))} --window-gb "
                f"{args.window_gb} --poll-s {args.poll_s} --loader-workers {args.loader_workers} --rows {args.rows}"
+               f" --call-ms {args.call_ms} --ahead-gb {' '.join(map(str, args.ahead_gb))}"
                + (f" --device {args.device}" if args.device else ""))
     save(args.out.with_suffix(".json"), {"command": command, "threads": torch.get_num_threads(),
                                          "versions": versions(), "runs": runs})
     work = f"matrix products on {args.device}" if args.device else "sleeps"
     lines = [f"# The stream's hand-over at a GPU run's pace, the GPU's work as {work} "
              f"({torch.get_num_threads()} threads)", "", f"    {command}", "",
-             "| 02 capture ms/pack asked / taken | 04 train ms/pack asked / taken | first look after | "
-             "04 waits, share of steps 2.. | steady-state floor, 1 - train/capture | 02 engine calls | "
-             "02 waited for room s |", "|---|---|---|---|---|---|---|"]
+             "| 02 capture ms/pack asked / taken (calls included) | 02 ms/call | 02 ahead GB | "
+             "04 train ms/pack asked / taken | first look after | 04 waits, share of steps 2.. | steady-state floor, 1 - train/capture | "
+             "02 engine calls | 02 waited for room s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r['capture_ms']:.0f} / {r['capture_ms_taken']:.0f} | {r['train_ms']:.0f} / "
+        lines.append(f"| {r['capture_ms']:.0f} / {r['capture_ms_taken']:.0f} | {r.get('call_ms', 0):g} | "
+                     f"{r.get('ahead_gb', 0):g} | {r['train_ms']:.0f} / "
                      f"{r['train_ms_taken']:.0f} | {r['first_poll_s'] * 1e3:g} ms | {r['data_wait_share']:.1%} | "
                      f"{r['rate_floor']:.1%} | {r['engine_calls']} | {r['producer_waited_s']:.1f} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

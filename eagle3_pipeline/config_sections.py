@@ -259,6 +259,11 @@ class StreamConfig(Section):
         4.0, gt=0, description="most GB (1e9 bytes) of captured states not yet trained on, all capture jobs together "
         "(each job gets window_gb / num_shards); 02 waits while its share is full",
     )
+    ahead_gb: float = runtime(
+        0.0, ge=0, description="most GB of states 02 may capture beyond the window's free room, all jobs together, "
+        "held in its host memory until room frees: its engine calls then run while 04 trains on a full window "
+        "instead of after 04 frees room (the disk still holds window_gb at most); 0 = capture into free room only",
+    )
     wait_timeout_s: float = runtime(
         1800.0, gt=0, description="a side that waits this long for the other exits 1 naming it (04 writes a "
         "checkpoint first); rerun the side that stopped and the stream goes on",

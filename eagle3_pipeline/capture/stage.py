@@ -279,7 +279,8 @@ def stream_packs(stage: Stage, config: RunConfig, capturer, transport, train: li
     producer = stream_producer.Producer(transport, config.capture.stream, shard_index, num_shards,
                                         identity=lambda: stream_identity(stage.dir))
     print(f"stream: job {shard_index}/{num_shards} captures positions p % {num_shards} == {shard_index} of 04's pack "
-          f"stream into {transport.describe()}, within {producer.share / 1e9:.3f} GB")
+          f"stream into {transport.describe()}, within {producer.share / 1e9:.3f} GB"
+          + (f" (and {producer.ahead / 1e9:.3f} GB captured ahead in host memory)" if producer.ahead else ""))
 
     def item_bytes(pack: tuple[int, ...]) -> int:
         return sum(len(train[i].input_ids) for i in pack) * per_token + stream.ITEM_HEADER_BYTES

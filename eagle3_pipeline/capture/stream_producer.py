@@ -1,5 +1,7 @@
 """Stage 02's side of the stream (stream.py): what a capture job captures next, and putting it within the job's
-share of the window (`window_gb / num_shards`), its `producer-i-of-N` record beating all the while.
+share of the window (`window_gb / num_shards`), its `producer-i-of-N` record beating all the while. A job may
+capture up to its share of `ahead_gb` more than the window has room for: those states wait in host memory, and
+their put waits for room, so the next engine call need not wait for 04 to free room first.
 
 Two threads of 02 use a Producer at once: the one driving the engine asks for the next positions while a
 writer thread puts the batch before (capture/stage.py). A lock makes each look at the window whole.
@@ -34,6 +36,7 @@ class Producer:
         self.transport, self.shard_index, self.num_shards = transport, shard_index, num_shards
         self.identity = identity
         self.share = share_bytes(settings, num_shards)
+        self.ahead = int(settings.ahead_gb * 1e9) // num_shards  # captured beyond the share, waiting to be put
         self.name = producer_record(shard_index, num_shards)
         self.waiter = Waiter(settings, f"02_hidden_states job {shard_index}/{num_shards}")
         # batches: the engine's capture calls, each of one or more packs (their per-call cost is paid per batch);
@@ -78,8 +81,8 @@ class Producer:
         return record.get("next"), record.get("time")
 
     def next_positions(self, pack_of, bytes_of, max_samples: int, wait: bool = True) -> list[int] | None:
-        """The next positions this job captures, in order, as many as fit its free share (and `max_samples`
-        samples); waits while none does, or returns None then when not `wait`; [] once 04 has finished.
+        """The next positions this job captures, in order, as many as fit its free share and its room ahead (and
+        `max_samples` samples); waits while none does, or returns None then when not `wait`; [] once 04 has finished.
         `pack_of(p)` gives the sample indices of position p, `bytes_of(pack)` an estimate of its item's size.
         The positions are reserved until `put`."""
 
@@ -92,7 +95,8 @@ class Producer:
             sizes, consumer = self._look()
             if consumer.get("finished"):
                 return []
-            end, free = consumer.get("end"), self.share - sum(sizes.values()) - sum(self.reserved.values())
+            end = consumer.get("end")
+            free = self.share + self.ahead - sum(sizes.values()) - sum(self.reserved.values())
             position = consumer.get("next", 0)
             position += (self.shard_index - position) % self.num_shards  # the first one of this job's
             chosen, samples = [], 0

@@ -31,3 +31,13 @@ def test_with_a_device_both_sides_do_matrix_products_there_and_report_what_they_
                  loader_workers=1, rows=64, device="cpu")
     assert result["packs"] == steps and result["device"] == "cpu"
     assert result["capture_ms_taken"] > 0 and result["train_ms_taken"] > 0
+
+
+def test_each_engine_call_costs_its_fixed_time_and_capture_ahead_still_hands_every_position_over_once(tmp_path):
+    steps, call_s = 6, 0.05
+    result = run(tmp_path, steps, capture_s=0.001, train_s=0.001, first_poll_s=0.001, window_gb=0.001, poll_s=0.01,
+                 loader_workers=2, rows=64, call_s=call_s, ahead_gb=0.001)
+    assert result["packs"] == steps and result["ahead_gb"] == 0.001 and result["call_ms"] == call_s * 1e3
+    engine_ms = result["capture_ms_taken"] * result["packs"]
+    assert engine_ms >= result["engine_calls"] * (call_s + 0.001) * 1e3
+    assert not list(tmp_path.glob("pack_*"))

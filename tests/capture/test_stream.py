@@ -273,6 +273,34 @@ def test_a_batch_in_flight_is_not_chosen_again_and_holds_its_room(tmp_path, thro
     assert sorted(transport.sizes()) == [2] and ask(wait=False) is None
 
 
+def test_room_ahead_lets_02_capture_past_a_full_window_while_the_window_still_bounds_what_is_put(tmp_path):
+    """capture.stream.ahead_gb: 02 chooses positions beyond the window's free room (their states wait in its host
+    memory), and their put still waits until the window has room for them."""
+    config = load_config(CONFIGS / "demo.yaml", [f"run_dir={tmp_path}"])
+    transport = open_transport(config, "run", 1 << 10, lend_bytes=1 << 20)
+    settings = config.capture.stream.model_copy(update={"window_gb": 300 / 1e9, "ahead_gb": 200 / 1e9,
+                                                        "wait_timeout_s": 60.0, "poll_s": 0.01})
+    producer = Producer(transport, settings, 0, 1, identity=lambda: "run")
+    transport.write_record(CONSUMER, {"next": 0, "end": 12, "packs_per_step": 1, "time": 1, "stream": "run"})
+
+    def ask():
+        return producer.next_positions(lambda p: (p,), lambda pack: 100, 2, wait=False)
+
+    assert [ask(), ask(), ask(), ask()] == [[0, 1], [2, 3], [4], None]  # 3 items of window and 2 ahead
+    for position in (0, 1, 2):
+        producer.put(position, b"x" * 100, 1)
+    writer = threading.Thread(target=producer.put, args=(3, b"x" * 100, 1))
+    writer.start()
+    time.sleep(0.2)
+    assert writer.is_alive() and sorted(transport.sizes()) == [0, 1, 2]  # the window is full: 3 waits
+    transport.write_record(CONSUMER, {"next": 1, "end": 12, "packs_per_step": 1, "time": 2, "stream": "run"})
+    writer.join(timeout=5)
+    assert not writer.is_alive() and sorted(transport.sizes()) == [1, 2, 3]
+    assert [ask(), ask()] == [[5], None]  # 3 held, 4 and 5 ahead
+    transport.write_record(CONSUMER, {"next": 2, "end": 12, "packs_per_step": 1, "time": 3, "stream": "run"})
+    assert ask() == [6] and producer.counts["max_held_bytes"] == 300
+
+
 def test_a_put_waiting_for_room_keeps_its_reservation_and_stops_once_the_capture_is_cancelled(tmp_path):
     """02's writer thread puts a batch while the engine's thread asks for the next: a put that waits for room
     still holds its position's reservation (the other thread neither chooses it again nor counts its room free),

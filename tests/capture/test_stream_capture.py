@@ -185,9 +185,11 @@ def test_streamed_run_trains_on_the_offline_batches_within_the_window(streamed, 
 def test_04_takes_the_stream_in_data_loader_workers_from_the_worker_extension(prepared, offline):
     """The GPU configs' settings: train.num_workers 2, the loader's workers read and decode the stream's items,
     asking for more than the window holds (prefetch); the capture path `auto` takes on a GPU (and for Kimi), the
-    worker extension. 04 still trains on the offline run's batches (captured through extract_hidden_states)."""
+    worker extension; 02 captures up to a window's worth ahead of the window's room (capture.stream.ahead_gb), which
+    still bounds what is put. 04 still trains on the offline run's batches (captured through extract_hidden_states)."""
     run_dir = new_run(prepared, "workers")
-    most_held = run_both(run_dir, extra=["train.num_workers=2", "capture.method=worker_extension"])
+    most_held = run_both(run_dir, extra=["train.num_workers=2", "capture.method=worker_extension",
+                                         f"capture.stream.ahead_gb={WINDOW_BYTES / 1e9}"])
     [capture_log] = run_dir.parent.glob(f"{run_dir.name}-02-*.log")
     assert "capture path: worker_extension" in capture_log.read_text()
     assert 0 < most_held <= WINDOW_BYTES
