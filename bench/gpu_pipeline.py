@@ -80,12 +80,14 @@ def capture_overhead(method: str) -> Job:
         *SMOL_SETS, "--method", method, "--max-samples", "1500", "--out", f"$OUT/capture_overhead_{method}.json"])
 
 
-def stream_job(name: str, method: str) -> Job:
-    """Stream mode against offline at the GPU demo's shape, within 0.4 GB (10 packs) and the demo's 2 GB."""
+def stream_job(name: str, method: str, steps: int = 60, windows: tuple[str, ...] = ("0.4", "2"),
+               ahead: tuple[str, ...] = ("0",)) -> Job:
+    """Stream mode against offline at the GPU demo's shape, within 0.4 GB (10 packs) and the demo's 2 GB (52 of
+    the 60 steps' packs: mostly the window's first fill), or as asked."""
     return Job(name, "configs/demo_gpu.yaml", bench=[
         "-m", "bench.stream", "--config", "configs/demo_gpu.yaml", "--prepared", "$WORK/smollm2-prepare", *SMOL_SETS,
-        "--set", f"capture.method={method}", "--steps", "60", "--packed-length", "8192", "--window-gb", "0.4", "2",
-        "--work", f"$WORK/{name}", "--out", f"$OUT/{name.replace('-', '_')}_gpu.json"])
+        "--set", f"capture.method={method}", "--steps", str(steps), "--packed-length", "8192", "--window-gb", *windows,
+        "--ahead-gb", *ahead, "--work", f"$WORK/{name}", "--out", f"$OUT/{name.replace('-', '_')}_gpu.json"])
 
 
 # Phases run one after the other; the chains of a phase at once, the jobs of a chain in order.
@@ -101,6 +103,9 @@ PHASES = [
     [[capture_overhead("worker_extension"),
       stream_job("stream", "auto"),  # on a GPU auto takes the worker extension
       stream_job("stream-extract_hidden_states", "extract_hidden_states"),
+      # 04's steady state in a 10-pack window (200 steps: 20 windows' worth), 02 capturing nothing, one and two
+      # windows past its room (capture.stream.ahead_gb)
+      stream_job("stream-ahead", "auto", steps=200, windows=("0.4",), ahead=("0", "0.4", "0.8")),
       capture_overhead("extract_hidden_states")]],
     # the GPU demo alone on the GPU, 01-06: the per-stage figures
     [[Job("smollm2-extract", "configs/demo_gpu.yaml", ALL, ["capture.method=extract_hidden_states"])]],

@@ -17,6 +17,7 @@ says (`train.num_workers`: configs/demo.yaml 0, in the training process; configs
     python -m bench.stream --config configs/demo_gpu.yaml --prepared RUN --set KEY=VALUE ... --window-gb 0.4 2
                                                     # on a GPU: another config, RUN's 01_data and 03_vocab,
                                                     # a stream run per window
+    python -m bench.stream ... --window-gb 0.4 --ahead-gb 0 0.4   # a stream run per window and capture.stream.ahead_gb
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from pathlib import Path
 from bench.harness import RESULTS, ROOT, parser, save, stage_cmd
 
 
-def start(script: str, config: Path, run_dir: Path, args, window_gb: float | None, log: Path) -> subprocess.Popen:
-    """A stage script started with the bench's settings (stream mode within `window_gb`, or offline: None), its
-    output in `log`."""
+def start(script: str, config: Path, run_dir: Path, args, window_gb: float | None, log: Path,
+          ahead_gb: float = 0.0) -> subprocess.Popen:
+    """A stage script started with the bench's settings (stream mode within `window_gb` and capturing up to
+    `ahead_gb` past its room, or offline: None), its output in `log`."""
     sets = [f"run_dir={run_dir}", f"train.max_steps={args.steps}", f"train.packed_length={args.packed_length}",
             "train.log_every=1", f"train.eval_every={args.steps}", f"train.checkpoint_every={args.steps}", *args.set]
-    sets += ["capture.mode=stream", f"capture.stream.window_gb={window_gb}"] if window_gb is not None else []
+    sets += ["capture.mode=stream", f"capture.stream.window_gb={window_gb}",
+             f"capture.stream.ahead_gb={ahead_gb}"] if window_gb is not None else []
     return subprocess.Popen(stage_cmd(script, config, sets), cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -77,10 +80,11 @@ def training_figures(run_dir: Path) -> dict:
             "losses": [round(r["loss_0"], 6) for r in train]}
 
 
-def run_mode(window_gb: float | None, prepared: Path, config: Path, args) -> dict:
-    """02 and 04 offline (`window_gb` None), or streaming within `window_gb`."""
+def run_mode(window_gb: float | None, prepared: Path, config: Path, args, ahead_gb: float = 0.0) -> dict:
+    """02 and 04 offline (`window_gb` None), or streaming within `window_gb`, 02 capturing up to `ahead_gb` past
+    its room."""
     stream = window_gb is not None
-    mode = f"stream-{window_gb:g}gb" if stream else "offline"
+    mode = (f"stream-{window_gb:g}gb" + (f"-ahead-{ahead_gb:g}gb" if ahead_gb else "")) if stream else "offline"
     run_dir = prepared.parent / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     for stage in ("01_data", "03_vocab"):
@@ -90,9 +94,9 @@ def run_mode(window_gb: float | None, prepared: Path, config: Path, args) -> dic
     sampler = threading.Thread(target=sample_bytes, args=(run_dir / "02_hidden_states" / "stream", stop, peak))
     sampler.start()
     started = time.perf_counter()
-    capture = start("02_generate_hidden_states.py", config, run_dir, args, window_gb, logs["02"])
+    capture = start("02_generate_hidden_states.py", config, run_dir, args, window_gb, logs["02"], ahead_gb)
     if stream:
-        train_s = wait(start("04_train.py", config, run_dir, args, window_gb, logs["04"]), logs["04"])
+        train_s = wait(start("04_train.py", config, run_dir, args, window_gb, logs["04"], ahead_gb), logs["04"])
         capture_s = train_s + wait(capture, logs["02"])
     else:
         capture_s = wait(capture, logs["02"])
@@ -109,7 +113,7 @@ def run_mode(window_gb: float | None, prepared: Path, config: Path, args) -> dic
                      "capture_batches": counts["stream"].get("batches"),
                      "capture_wait_frac": counts["stream"]["waited_s"] / capture_s,
                      "streamed_bytes": counts["stream"]["bytes"], "most_held_bytes": peak[0],
-                     "window_bytes": int(window_gb * 1e9)}
+                     "window_bytes": int(window_gb * 1e9), "ahead_bytes": int(ahead_gb * 1e9)}
 
 
 def prepare(work: Path, config_path: Path, args) -> Path:
@@ -152,6 +156,9 @@ def report(results: list[dict], args) -> str:
         row("states on disk, most", f"{offline['bytes_on_disk'] / 1e6:.1f} MB",
             lambda r: f"{r['most_held_bytes'] / 1e6:.1f} MB (window {r['window_bytes'] / 1e6:.0f} MB)"),
     ]
+    if any(r.get("ahead_bytes") for r in streams):
+        rows.append(row("02 may capture ahead, in host memory", "-",
+                        lambda r: f"{r.get('ahead_bytes', 0) / 1e6:.0f} MB"))
     differences = [abs(a - b) for r in streams for a, b in zip(offline["losses"], r["losses"])]
     same = all(r["losses"] == offline["losses"] for r in streams)
     data = f"01 and 03 of {args.prepared}" if args.prepared else f"{args.samples} HumanEval chats (<= {args.max_tokens} tokens)"
@@ -170,6 +177,8 @@ def main() -> None:
     arguments.add_argument("--steps", type=int, default=24)
     arguments.add_argument("--window-gb", type=float, nargs="+", default=[0.02],
                            help="a stream run within each of these windows (0.02: about 4 packs of 1024 rows)")
+    arguments.add_argument("--ahead-gb", type=float, nargs="+", default=[0.0],
+                           help="a stream run per window and each of these capture.stream.ahead_gb")
     arguments.add_argument("--work", type=Path, default=Path("/tmp/eagle3_bench_stream"))
     arguments.add_argument("--out", type=Path, default=RESULTS / "stream.json")
     arguments.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
@@ -181,7 +190,9 @@ def main() -> None:
     config = args.work / args.config.name
     shutil.copy(args.config, config)
     prepared = prepare(args.work, config, args)
-    results = [run_mode(window_gb, prepared, config, args) for window_gb in (None, *args.window_gb)]
+    results = [run_mode(None, prepared, config, args)]
+    results += [run_mode(window_gb, prepared, config, args, ahead_gb)
+                for window_gb in args.window_gb for ahead_gb in args.ahead_gb]
     save(args.out, {"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
                     "load_average_1min_at_end": os.getloadavg()[0], "runs": results})
     table = report(results, args)

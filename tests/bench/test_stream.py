@@ -52,6 +52,13 @@ def test_report_has_a_column_per_stream_window():
     assert "| states on disk, most | 44.0 MB | 14.5 MB (window 20 MB) | 14.5 MB (window 2000 MB) |" in lines
 
 
+def test_report_says_how_much_each_stream_run_may_capture_ahead():
+    args = argparse.Namespace(prepared="RUN", samples=0, max_tokens=0, config="c.yaml", packed_length=8192, steps=60)
+    lines = report([OFFLINE, STREAM | {"ahead_bytes": 0}, STREAM | {"ahead_bytes": 400_000_000}], args).splitlines()
+    assert lines[-1] == "| 02 may capture ahead, in host memory | - | 0 MB | 400 MB |"
+    assert "ahead" not in report([OFFLINE, STREAM], args)
+
+
 def test_the_wait_share_weighs_each_step_by_its_time(tmp_path):
     """One step of 1 s waiting 90% and three of 0.1 s waiting 0%: 0.9 s of 1.3 s, not the mean fraction 22.5%."""
     steps = [(5.0, 0.5), (1.0, 0.9), (0.1, 0.0), (0.1, 0.0), (0.1, 0.0)]  # the first (start-up) is left out
