@@ -136,7 +136,8 @@ def run(folder: Path, steps: int, capture_s: float, train_s: float, first_poll_s
     consumer.advance(0, steps, 1, 0)
     spawn = multiprocessing.get_context("spawn")  # fork after torch's thread pools started may hang a child
     engine_seconds = spawn.Value("d", 0.0)
-    capturing = spawn.Process(target=capture, args=(folder, settings, capture_s, call_s, rows, device, engine_seconds))
+    capturing = spawn.Process(target=capture,
+                              args=(folder, settings, capture_s, call_s, rows, device, engine_seconds))
     capturing.start()
     waits, step_seconds, train_seconds = [], [], []
     # each worker keeps two packs in flight, as a DataLoader with prefetch_factor 2
@@ -203,8 +204,9 @@ def main() -> None:
     lines = [f"# The stream's hand-over at a GPU run's pace, the GPU's work as {work} "
              f"({torch.get_num_threads()} threads)", "", f"    {command}", "",
              "| 02 capture ms/pack asked / taken (calls included) | 02 ms/call | 02 ahead GB | "
-             "04 train ms/pack asked / taken | first look after | 04 waits, share of steps 2.. | steady-state floor, 1 - train/capture | "
-             "02 engine calls | 02 waited for room s |", "|---|---|---|---|---|---|---|---|---|"]
+             "04 train ms/pack asked / taken | first look after | 04 waits, share of steps 2.. | "
+             "steady-state floor, 1 - train/capture | 02 engine calls | 02 waited for room s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['capture_ms']:.0f} / {r['capture_ms_taken']:.0f} | {r.get('call_ms', 0):g} | "
                      f"{r.get('ahead_gb', 0):g} | {r['train_ms']:.0f} / "
