@@ -208,8 +208,8 @@ def main() -> None:
              "steady-state floor, 1 - train/capture | 02 engine calls | 02 waited for room s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r['capture_ms']:.0f} / {r['capture_ms_taken']:.0f} | {r.get('call_ms', 0):g} | "
-                     f"{r.get('ahead_gb', 0):g} | {r['train_ms']:.0f} / "
+        lines.append(f"| {r['capture_ms']:.0f} / {r['capture_ms_taken']:.0f} | {r['call_ms']:g} | "
+                     f"{r['ahead_gb']:g} | {r['train_ms']:.0f} / "
                      f"{r['train_ms_taken']:.0f} | {r['first_poll_s'] * 1e3:g} ms | {r['data_wait_share']:.1%} | "
                      f"{r['rate_floor']:.1%} | {r['engine_calls']} | {r['producer_waited_s']:.1f} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
