@@ -21,6 +21,7 @@ Prints each model's row of the report as it is measured; writes the JSON and the
 
     python -m bench.train_throughput --profile --loss-curve 30   # one H200: the Kimi draft (configs/kimi_k25.yaml)
     python -m bench.train_throughput --tiny                      # CPU smoke test: configs/tiny_kimi.yaml's draft
+    python -m bench.train_throughput --only ours --set draft.draft_vocab_size=163840   # the full-vocabulary draft
 
 Needs torch, transformers, accelerate, speculators 0.9.0 (with pydantic), pyyaml, and torchao for fp8; not
 datasets or openai, which speculators imports but never calls on this path (stand-ins are installed when they
@@ -51,6 +52,9 @@ def parse_args():
     arguments.add_argument("--warmup", type=int, help="unmeasured steps first (compilation; default 3, tiny 1)")
     arguments.add_argument("--steps", type=int, help="measured steps (default 8, tiny 2)")
     arguments.add_argument("--only", nargs="+", help="run these variants (names as printed)")
+    arguments.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="config override for every variant (repeatable), for example "
+                                "draft.draft_vocab_size=163840: the full-vocabulary draft")
     arguments.add_argument("--render", type=Path, metavar="JSON",
                            help="only write the Markdown tables of an earlier result (JSON -> .md beside it)")
     arguments.add_argument("--loss-curve", type=int, default=0, metavar="N",
@@ -78,12 +82,12 @@ def main() -> None:
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.train.flops import peak_flops
 
-    config = load_config(ROOT / "configs" / ("tiny_kimi.yaml" if args.tiny else "kimi_k25.yaml"))
+    config = load_config(ROOT / "configs" / ("tiny_kimi.yaml" if args.tiny else "kimi_k25.yaml"), args.set)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch = synthetic_batch(config.draft, target_vocab=163840, length=args.packed_length, device=device)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "packed_length": args.packed_length, "ttt_steps": args.ttt_steps, "measured_steps": args.steps,
-               "peak_bf16_tflops": (peak_flops(device) or 0) / 1e12, "matmul_tflops": matmul_tflops(device),
+               "overrides": args.set, "peak_bf16_tflops": (peak_flops(device) or 0) / 1e12, "matmul_tflops": matmul_tflops(device),
                "versions": versions(), "runs": {}}
     options = variants(config.train, device)
     print("\n".join(header_lines(results)))
@@ -316,8 +320,10 @@ def profile_steps(step, ttt_steps: int, device, steps: int = 2, top: int = 15) -
 
 
 def header_lines(results: dict) -> list[str]:
-    return [f"{results['device']}, packed {results['packed_length']}, {results['ttt_steps']} TTT steps, median of "
-            f"{results['measured_steps']} steps; bf16 matmul measured {results['matmul_tflops']:.0f} TFLOP/s", "",
+    overrides = "".join(f", {override}" for override in results.get("overrides", []))
+    return [f"{results['device']}, packed {results['packed_length']}{overrides}, {results['ttt_steps']} TTT steps, "
+            f"median of {results['measured_steps']} steps; bf16 matmul measured {results['matmul_tflops']:.0f} "
+            "TFLOP/s", "",
             f"| model | tokens/s | step ms | TFLOP/s | MFU ({results['peak_bf16_tflops']:.0f} peak) | trainable | "
             "peak GiB |", "|---|---|---|---|---|---|---|"]
 

@@ -37,3 +37,13 @@ def test_tiny_benchmark_measures_both_models(tmp_path, monkeypatch, capsys):
         == 2048 * 256
     assert "tokens/s" in capsys.readouterr().out
     assert "| ours loss_chunk_rows=1024 |" in out.with_suffix(".md").read_text()
+
+    # --set reaches the draft: a draft vocabulary of 4096 instead of 2048 trains 2048 more rows of lm_head
+    wider = tmp_path / "wider.json"
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", "--tiny", "--packed-length", "128", "--warmup", "1",
+                                      "--steps", "1", "--only", "ours", "--set", "draft.draft_vocab_size=4096",
+                                      "--out", str(wider)])
+    bench.main()
+    assert json.loads(wider.read_text())["runs"]["ours"]["trainable_parameters"] \
+        - result["runs"]["ours"]["trainable_parameters"] == 2048 * 256
+    assert "draft.draft_vocab_size=4096" in wider.with_suffix(".md").read_text()
