@@ -15,13 +15,20 @@ Tokens/s per engine (wall clock of the batches, engine start excluded), capture'
 where the capture's time went (prefills; reading the states, and the part of it no prefill hid; for the worker
 extension the worker's own account: `worker_steps`, host seconds recording steps and handing rounds over, and on
 a GPU the device seconds of the forwards and of the copies out, from CUDA events).
+
+`--profile DIR`: after each engine's timed run, vLLM's torch profiler over `--profile-batches` more batches
+(the engine's worker: host and device), one trace per engine in DIR/<engine>/, summarised into the result: the
+worker's host time by operator (inclusive: a step's annotation holds its operators) and by CUDA runtime call, and
+the device time by kernel; the capture's `parts_s_warmup_included` then counts the profiled batches too.
 """
 
 from __future__ import annotations
 
 import collections
 import gc
+import gzip
 import json
+import re
 import time
 from pathlib import Path
 
@@ -31,11 +38,15 @@ from eagle3_pipeline.config import load_config
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 
 
+def batches_of(samples, batch_size: int) -> list[list]:
+    return [[(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]]
+            for start in range(0, len(samples), batch_size)]
+
+
 def timed_batches(samples, batch_size: int, run_batch, run_batches=None) -> float:
     """Seconds to run every batch (`run_batches(batches)` at once, or `run_batch` on each), after one unmeasured
     batch (the warm-up)."""
-    batches = [[(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]]
-               for start in range(0, len(samples), batch_size)]
+    batches = batches_of(samples, batch_size)
     run_batch(batches[0])
     started = time.perf_counter()
     if run_batches is None:
@@ -61,11 +72,61 @@ def plain_engines(config, capturer_settings: dict) -> dict[str, dict]:
     return engines
 
 
+def profiler_settings(profile: Path | None, engine: str) -> dict:
+    """vLLM keywords for a torch profiler writing its trace into profile/<engine> (none without `profile`)."""
+    if profile is None:
+        return {}
+    folder = profile / re.sub(r"[^a-z0-9]+", "_", engine.lower()).strip("_")
+    return {"profiler_config": {"profiler": "torch", "torch_profiler_dir": str(folder),
+                                "torch_profiler_with_stack": False}}
+
+
+def profiled(llm, samples, batch_size: int, run_batch, count: int, folder: str) -> dict:
+    """`count` more batches under the engine's profiler (`profiler_settings`), and what its trace says."""
+    llm.start_profile()
+    for batch in batches_of(samples, batch_size)[:count]:
+        run_batch(batch)
+    llm.stop_profile()
+    return trace_summary(max(Path(folder).rglob("*.json*"), key=lambda path: path.stat().st_mtime))
+
+
+def trace_summary(trace: Path, top: int = 12) -> dict:
+    """A chrome trace of torch's profiler summed by name: the host's operators (time inclusive of what they
+    call), its CUDA runtime calls and the device's kernels and copies, each with its count; and the wall span."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as file:
+        events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kinds = {"host operators": ("cpu_op", "user_annotation"), "CUDA runtime": ("cuda_runtime", "cuda_driver"),
+             "device": ("kernel", "gpu_memcpy", "gpu_memset")}
+    result = {"trace": str(trace), "span_ms": (max(e["ts"] + e["dur"] for e in events)
+                                               - min(e["ts"] for e in events)) / 1e3 if events else 0.0}
+    for kind, categories in kinds.items():
+        totals, counts = collections.Counter(), collections.Counter()
+        for event in events:
+            if event.get("cat") in categories:
+                totals[event["name"]] += event["dur"] / 1e3
+                counts[event["name"]] += 1
+        result[kind] = {"total_ms": round(sum(totals.values()), 2),
+                        "top": [{"name": name[:100], "ms": round(ms, 2), "count": counts[name]}
+                                for name, ms in totals.most_common(top)]}
+    return result
+
+
 def summary(args, overrides: list[str], samples: list, tokens: int, batch_size: int, rows: dict) -> dict:
     return {"config": args.config, "overrides": overrides, "samples": len(samples), "tokens": tokens,
             "batch_size": batch_size, "engines": rows,
             "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
                                    for name, row in rows.items() if name != "capture"}}
+
+
+def measured_row(llm, samples, batch_size: int, tokens: int, run_batch, args, profiling: dict, run_batches=None):
+    """Seconds and tokens/s of every batch after a warm-up, and the profile of a few more where asked."""
+    seconds = timed_batches(samples, batch_size, run_batch, run_batches)
+    row = {"seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
+    if profiling:
+        row["profile"] = profiled(llm, samples, batch_size, run_batch, args.profile_batches,
+                                  profiling["profiler_config"]["torch_profiler_dir"])
+    return row
 
 
 def main() -> None:
@@ -75,6 +136,8 @@ def main() -> None:
     arguments.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
     arguments.add_argument("--max-samples", type=int, default=2000)
     arguments.add_argument("--out", type=Path, required=True)
+    arguments.add_argument("--profile", type=Path, metavar="DIR", help="also profile each engine (vLLM's torch profiler)")
+    arguments.add_argument("--profile-batches", type=int, default=2)
     args = arguments.parse_args()
 
     from eagle3_pipeline.capture.engine import (
@@ -98,17 +161,24 @@ def main() -> None:
     text_only = not any(s.images for s in samples)  # as 02 starts its engine
     rows = {}
     for name, settings in plain_engines(config, capturer_class.ENGINE_SETTINGS).items():
-        llm = start_engine(config.target, model_dir, text_only=text_only, **settings)
+        profiling = profiler_settings(args.profile, name)
+        llm = start_engine(config.target, model_dir, text_only=text_only, **settings, **profiling)
         vision = None if text_only else Vision.of_engine(llm, model_dir)
-        seconds = timed_batches(samples, batch_size, lambda batch: llm.generate(*_prompts(batch, vision), use_tqdm=False))
+
+        def run_batch(batch, llm=llm, vision=vision):
+            llm.generate(*_prompts(batch, vision), use_tqdm=False)
+
         rows[name] = {"settings": {"enforce_eager": config.target.engine.enforce_eager} | settings,
-                      "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
+                      **measured_row(llm, samples, batch_size, tokens, run_batch, args, profiling)}
         shut_down(llm)
+    profiling = profiler_settings(args.profile, "capture")
+    # the capturer starts its engine with its class's settings: the profiler joins them
+    capturer_class.ENGINE_SETTINGS = {**capturer_class.ENGINE_SETTINGS, **profiling}
     capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]), text_only)
-    seconds = timed_batches(samples, batch_size, capturer.capture,
-                            lambda batches: collections.deque(capturer.capture_batches(batches), maxlen=0))
-    rows["capture"] = {"method": method, "seconds": round(seconds, 2), "tokens_per_s": tokens / seconds,
-                       "parts_s_warmup_included": capturer.seconds.record()}
+    rows["capture"] = {"method": method, **measured_row(
+        capturer.llm, samples, batch_size, tokens, capturer.capture, args, profiling,
+        lambda batches: collections.deque(capturer.capture_batches(batches), maxlen=0))}
+    rows["capture"]["parts_s_warmup_included"] = capturer.seconds.record()
     shut_down(capturer.llm)
     result = summary(args, overrides, samples, tokens, batch_size, rows)
     save(args.out, result)

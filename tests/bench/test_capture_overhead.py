@@ -4,9 +4,12 @@ capture's time over each."""
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
-from bench.capture_overhead import plain_engines, summary, timed_batches
+from bench.capture_overhead import plain_engines, profiler_settings, summary, timed_batches, trace_summary
 
 
 def config(eager: bool):
@@ -37,3 +40,26 @@ def test_capture_over_each_plain_engine():
             "capture": {"seconds": 2.3}}
     result = summary(argparse.Namespace(config="c.yaml"), [], [1, 2], 10, 256, rows)
     assert result["capture_over_plain"] == {"plain, capturer's settings": 2.0, "plain, config's settings": 2.3}
+
+
+def test_each_engine_profiles_into_a_folder_of_its_own():
+    assert profiler_settings(None, "capture") == {}
+    settings = profiler_settings(Path("/p"), "plain, capturer's settings")["profiler_config"]
+    assert settings["profiler"] == "torch" and settings["torch_profiler_dir"] == "/p/plain_capturer_s_settings"
+
+
+def test_a_trace_sums_host_runtime_and_device_time_by_name(tmp_path):
+    def event(category, name, start, duration):
+        return {"ph": "X", "cat": category, "name": name, "ts": start, "dur": duration}
+
+    events = [event("cpu_op", "aten::copy_", 0, 300), event("cpu_op", "aten::copy_", 1000, 100),
+              event("cuda_runtime", "cudaHostAlloc", 50, 2000), event("kernel", "gemm", 400, 500),
+              event("gpu_memcpy", "Memcpy DtoH", 2500, 1500), {"ph": "i", "cat": "cpu_op", "name": "mark", "ts": 9}]
+    trace = tmp_path / "worker.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+    summary = trace_summary(trace)
+    assert summary["span_ms"] == 4.0  # 0 us to 4,000 us
+    assert summary["host operators"] == {"total_ms": 0.4, "top": [{"name": "aten::copy_", "ms": 0.4, "count": 2}]}
+    assert summary["CUDA runtime"]["top"] == [{"name": "cudaHostAlloc", "ms": 2.0, "count": 1}]
+    assert summary["device"]["total_ms"] == 2.0 and summary["device"]["top"][0]["name"] == "Memcpy DtoH"
