@@ -190,11 +190,12 @@ def main() -> None:
     config = args.work / args.config.name
     shutil.copy(args.config, config)
     prepared = prepare(args.work, config, args)
-    results = [run_mode(None, prepared, config, args)]
-    results += [run_mode(window_gb, prepared, config, args, ahead_gb)
-                for window_gb in args.window_gb for ahead_gb in args.ahead_gb]
-    save(args.out, {"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
-                    "load_average_1min_at_end": os.getloadavg()[0], "runs": results})
+    results = []
+    for window_gb, ahead_gb in [(None, 0.0), *((w, a) for w in args.window_gb for a in args.ahead_gb)]:
+        results.append(run_mode(window_gb, prepared, config, args, ahead_gb))
+        # after every run, so that a run cut short keeps what it measured
+        save(args.out, {"settings": vars(args) | {"work": str(args.work), "out": str(args.out)},
+                        "load_average_1min_at_end": os.getloadavg()[0], "runs": results})
     table = report(results, args)
     args.out.with_suffix(".md").write_text(table)
     print(table)
