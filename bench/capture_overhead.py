@@ -90,9 +90,13 @@ def profiled(llm, samples, batch_size: int, run_batch, count: int, folder: str) 
     return trace_summary(max(Path(folder).rglob("*.json*"), key=lambda path: path.stat().st_mtime))
 
 
+STEP_MARK = re.compile(r"execute_context_(\d+)\((\d+)\)")
+
+
 def trace_summary(trace: Path, top: int = 12) -> dict:
     """A chrome trace of torch's profiler summed by name: the host's operators (time inclusive of what they
-    call), its CUDA runtime calls and the device's kernels and copies, each with its count; and the wall span."""
+    call), its CUDA runtime calls and the device's kernels and copies, each with its count; the wall span; and
+    the engine steps that prefilled tokens, in order (requests, tokens, host ms)."""
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as file:
         events = [e for e in json.load(file)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -100,6 +104,11 @@ def trace_summary(trace: Path, top: int = 12) -> dict:
              "device": ("kernel", "gpu_memcpy", "gpu_memset")}
     result = {"trace": str(trace), "span_ms": (max(e["ts"] + e["dur"] for e in events)
                                                - min(e["ts"] for e in events)) / 1e3 if events else 0.0}
+    # vLLM's worker marks each step `execute_context_<prefill requests>(<their tokens>)_generation_...`: how the
+    # engine split a batch into steps
+    marked = sorted(((e, mark) for e in events if (mark := STEP_MARK.match(e["name"]))), key=lambda m: m[0]["ts"])
+    result["steps"] = [{"prefill_requests": int(mark[1]), "prefill_tokens": int(mark[2]), "ms": round(e["dur"] / 1e3, 2)}
+                       for e, mark in marked if int(mark[2])]
     for kind, categories in kinds.items():
         totals, counts = collections.Counter(), collections.Counter()
         for event in events:

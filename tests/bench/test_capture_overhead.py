@@ -54,12 +54,19 @@ def test_a_trace_sums_host_runtime_and_device_time_by_name(tmp_path):
 
     events = [event("cpu_op", "aten::copy_", 0, 300), event("cpu_op", "aten::copy_", 1000, 100),
               event("cuda_runtime", "cudaHostAlloc", 50, 2000), event("kernel", "gemm", 400, 500),
-              event("gpu_memcpy", "Memcpy DtoH", 2500, 1500), {"ph": "i", "cat": "cpu_op", "name": "mark", "ts": 9}]
+              event("gpu_memcpy", "Memcpy DtoH", 2500, 1500), {"ph": "i", "cat": "cpu_op", "name": "mark", "ts": 9},
+              # vLLM's step marks: a batch of 8 prefilled as 1 request, then 7; an empty step between batches
+              event("user_annotation", "execute_context_7(1365)_generation_0(0)", 600, 900),
+              event("user_annotation", "execute_context_1(219)_generation_0(0)", 100, 200),
+              event("user_annotation", "execute_context_0(0)_generation_0(0)", 1600, 10)]
     trace = tmp_path / "worker.pt.trace.json.gz"
     with gzip.open(trace, "wt") as file:
         json.dump({"traceEvents": events}, file)
     summary = trace_summary(trace)
     assert summary["span_ms"] == 4.0  # 0 us to 4,000 us
-    assert summary["host operators"] == {"total_ms": 0.4, "top": [{"name": "aten::copy_", "ms": 0.4, "count": 2}]}
+    assert summary["steps"] == [{"prefill_requests": 1, "prefill_tokens": 219, "ms": 0.2},
+                                {"prefill_requests": 7, "prefill_tokens": 1365, "ms": 0.9}]
+    host = summary["host operators"]  # operators and step marks, inclusive
+    assert host["total_ms"] == 1.51 and host["top"][1] == {"name": "aten::copy_", "ms": 0.4, "count": 2}
     assert summary["CUDA runtime"]["top"] == [{"name": "cudaHostAlloc", "ms": 2.0, "count": 1}]
     assert summary["device"]["total_ms"] == 2.0 and summary["device"]["top"][0]["name"] == "Memcpy DtoH"
