@@ -107,8 +107,8 @@ def trace_summary(trace: Path, top: int = 12) -> dict:
     # vLLM's worker marks each step `execute_context_<prefill requests>(<their tokens>)_generation_...`: how the
     # engine split a batch into steps
     marked = sorted(((e, mark) for e in events if (mark := STEP_MARK.match(e["name"]))), key=lambda m: m[0]["ts"])
-    result["steps"] = [{"prefill_requests": int(mark[1]), "prefill_tokens": int(mark[2]), "ms": round(e["dur"] / 1e3, 2)}
-                       for e, mark in marked if int(mark[2])]
+    result["steps"] = [{"prefill_requests": int(mark[1]), "prefill_tokens": int(mark[2]),
+                        "ms": round(e["dur"] / 1e3, 2)} for e, mark in marked if int(mark[2])]
     for kind, categories in kinds.items():
         totals, counts = collections.Counter(), collections.Counter()
         for event in events:
@@ -145,7 +145,8 @@ def main() -> None:
     arguments.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
     arguments.add_argument("--max-samples", type=int, default=2000)
     arguments.add_argument("--out", type=Path, required=True)
-    arguments.add_argument("--profile", type=Path, metavar="DIR", help="also profile each engine (vLLM's torch profiler)")
+    arguments.add_argument("--profile", type=Path, metavar="DIR",
+                           help="also profile each engine (vLLM's torch profiler)")
     arguments.add_argument("--profile-batches", type=int, default=2)
     args = arguments.parse_args()
 

@@ -87,8 +87,8 @@ def main() -> None:
     batch = synthetic_batch(config.draft, target_vocab=163840, length=args.packed_length, device=device)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "packed_length": args.packed_length, "ttt_steps": args.ttt_steps, "measured_steps": args.steps,
-               "overrides": args.set, "peak_bf16_tflops": (peak_flops(device) or 0) / 1e12, "matmul_tflops": matmul_tflops(device),
-               "versions": versions(), "runs": {}}
+               "overrides": args.set, "peak_bf16_tflops": (peak_flops(device) or 0) / 1e12,
+               "matmul_tflops": matmul_tflops(device), "versions": versions(), "runs": {}}
     options = variants(config.train, device)
     print("\n".join(header_lines(results)))
     for name in args.only or [*options, "speculators"]:
