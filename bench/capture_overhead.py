@@ -1,10 +1,11 @@
 """What 02's capture costs against plain prefill: the same samples, batches and engine settings, one engine at a time.
 
     python -m bench.capture_overhead --config configs/demo_gpu.yaml --set run_dir=RUN [--method worker_extension]
-        [--max-samples 2000] --out capture_overhead.json
+        [--max-samples 2000] [--repeat 1] --out capture_overhead.json
 
-Reads RUN/01_data (01 must have run). Each engine prefills the samples in batches of `capture.batch_size`, one
-generated token each, as 02 does:
+Reads RUN/01_data (01 must have run); `--repeat K` takes its training samples K times over, for full batches from
+a small 01 (every engine runs with prefix caching off, so a repeat is prefilled in full). Each engine prefills the
+samples in batches of `capture.batch_size`, one generated token each, as 02 does:
     plain, capturer's settings   the capture path's engine settings (prefix caching off; the worker extension
                                  also runs eager), nothing captured
     plain, config's settings     the run's engine settings with prefix caching off (CUDA graphs and compile as
@@ -41,6 +42,10 @@ from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
 def batches_of(samples, batch_size: int) -> list[list]:
     return [[(s.input_ids, list(s.images)) for s in samples[start : start + batch_size]]
             for start in range(0, len(samples), batch_size)]
+
+
+def chosen_samples(samples: list, max_samples: int, repeat: int) -> list:
+    return (samples * repeat)[:max_samples]
 
 
 def timed_batches(samples, batch_size: int, run_batch, run_batches=None) -> float:
@@ -122,8 +127,8 @@ def trace_summary(trace: Path, top: int = 12) -> dict:
 
 
 def summary(args, overrides: list[str], samples: list, tokens: int, batch_size: int, rows: dict) -> dict:
-    return {"config": args.config, "overrides": overrides, "samples": len(samples), "tokens": tokens,
-            "batch_size": batch_size, "engines": rows,
+    return {"config": args.config, "overrides": overrides, "samples": len(samples), "repeat": args.repeat,
+            "tokens": tokens, "batch_size": batch_size, "engines": rows,
             "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
                                    for name, row in rows.items() if name != "capture"}}
 
@@ -144,6 +149,7 @@ def main() -> None:
     arguments.add_argument("--set", action="append", default=[], help="config override KEY=VALUE (repeatable)")
     arguments.add_argument("--method", default=None, help="capture.method to measure (default: the config's)")
     arguments.add_argument("--max-samples", type=int, default=2000)
+    arguments.add_argument("--repeat", type=int, default=1, help="take 01's training samples this many times over")
     arguments.add_argument("--out", type=Path, required=True)
     arguments.add_argument("--profile", type=Path, metavar="DIR",
                            help="also profile each engine (vLLM's torch profiler)")
@@ -165,7 +171,8 @@ def main() -> None:
     model_dir = target_path(config.target)
     text = text_config(model_dir)
     method = choose_method(config.capture.method, text)
-    samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"][: args.max_samples]
+    train_samples = [s for s in load_samples(Path(config.run_dir) / "01_data") if s.split == "train"]
+    samples = chosen_samples(train_samples, args.max_samples, args.repeat)
     tokens, batch_size = sum(len(s.input_ids) for s in samples), config.capture.batch_size
     capturer_class = ExtractHiddenStatesCapturer if method == "extract_hidden_states" else WorkerExtensionCapturer
     text_only = not any(s.images for s in samples)  # as 02 starts its engine

@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.capture_overhead import plain_engines, profiler_settings, summary, timed_batches, trace_summary
+from bench.capture_overhead import (
+    chosen_samples,
+    plain_engines,
+    profiler_settings,
+    summary,
+    timed_batches,
+    trace_summary,
+)
 
 
 def config(eager: bool):
@@ -35,10 +42,16 @@ def test_every_batch_is_timed_after_one_warm_up():
     assert warm == [[([0], []), ([1], [])]] and at_once == [seen[1:]]
 
 
+def test_repeat_takes_the_samples_again_up_to_the_most():
+    assert chosen_samples([1, 2, 3], 2000, 1) == [1, 2, 3]
+    assert chosen_samples([1, 2, 3], 2000, 3) == [1, 2, 3] * 3
+    assert chosen_samples([1, 2, 3], 7, 3) == [1, 2, 3, 1, 2, 3, 1]
+
+
 def test_capture_over_each_plain_engine():
     rows = {"plain, capturer's settings": {"seconds": 1.15}, "plain, config's settings": {"seconds": 1.0},
             "capture": {"seconds": 2.3}}
-    result = summary(argparse.Namespace(config="c.yaml"), [], [1, 2], 10, 256, rows)
+    result = summary(argparse.Namespace(config="c.yaml", repeat=1), [], [1, 2], 10, 256, rows)
     assert result["capture_over_plain"] == {"plain, capturer's settings": 2.0, "plain, config's settings": 2.3}
 
 
