@@ -191,7 +191,8 @@ class WorkerExtensionCapturer(OverlappedCapture):
             check_runner_support()
         except RuntimeError as err:
             raise StageError(str(err)) from None
-        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the worker hands states over as files
+        self.spool = tempfile.TemporaryDirectory(prefix="hidden-states-")  # the pageable hand-over's files
+        self.slabs: dict[str, torch.Tensor] = {}  # the mapped hand-over's slabs, mapped here once
         self.seconds = CaptureSeconds()
         self.captured_ids = sorted(aux_layer_ids)  # the extension records layers in ascending order
         # aux_layer_ids are ascending wherever a config gives them (capture.aux_layer_ids is checked), so this
@@ -203,17 +204,18 @@ class WorkerExtensionCapturer(OverlappedCapture):
         self.llm.collective_rpc("set_capture_layers", args=(self.captured_ids,))
         self.vision = None if text_only else Vision.of_engine(self.llm, model_dir)
 
-    def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str]]:
+    def _prefill(self, prompts: list[Prompt]) -> tuple[list, dict[str, str | list[dict]]]:
         outputs = self._generated(prompts)
         captured = self.llm.collective_rpc("pop_captured", args=(self.spool.name,))[0]
         self.seconds.worker.update(self.llm.collective_rpc("capture_seconds")[0])
         return outputs, captured
 
-    def _collect(self, prefilled: tuple[list, dict[str, str]]) -> list[CapturedStates]:
+    def _collect(self, prefilled: tuple[list, dict[str, str | list[dict]]]) -> list[CapturedStates]:
         from eagle3_pipeline.capture.handover import load_captured
 
         columns = slice(None) if self.column_of is None else self.column_of  # a slice takes a view, not a copy
-        return [(c["aux_hidden_states"][:, columns], c["final_hidden_state"]) for c in load_captured(*prefilled)]
+        return [(c["aux_hidden_states"][:, columns], c["final_hidden_state"])
+                for c in load_captured(*prefilled, self.slabs)]
 
 
 class ExtractHiddenStatesCapturer(OverlappedCapture):

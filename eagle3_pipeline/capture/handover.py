@@ -7,19 +7,19 @@ RPC results are not a way to move gigabytes, and vLLM's RPC does not return tens
   the copy overlaps the next step's forward, into reused page-locked host slabs (`MappedArena`): files in a
   folder of the worker's own (under /dev/shm where it has room), registered with CUDA, so the GPU writes them
   by DMA and the main process maps the same pages; one pass over the bytes. `pop_captured` waits for the
-  copies, then writes one small JSON per request locating its chunks. Two banks of slabs take turns, one per
-  `pop_captured`: `load_captured` (which copies the states out) may run while the next `generate` fills the
-  other bank, and must end before the `generate` after that (engine.py's capturers overlap them so).
-- `pageable` (the default on CPU): `.cpu()` per step, then one safetensors file per request.
-
-Either way `pop_captured` writes (`write_request`) into a directory the caller names and `load_captured` reads
-and removes what it wrote. A local fast disk or /dev/shm suits.
+  copies, then returns where each request's chunks lie (no file: a few hundred bytes a request). Two banks of
+  slabs take turns, one per `pop_captured`: `load_captured` (which copies the states out) may run while the next
+  `generate` fills the other bank, and must end before the `generate` after that (engine.py's capturers overlap
+  them so).
+- `pageable` (the default on CPU): `.cpu()` per step, then `pop_captured` writes one safetensors file per request
+  (`write_request`) into a directory the caller names (a local fast disk or /dev/shm suits), and
+  `load_captured` removes each file it read.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -136,9 +136,10 @@ def _release(directory: str, slabs: dict[str, torch.Tensor], pin: bool) -> None:
 
 def read_step(spec: dict, slabs: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
     """Rows `rows` of the tensors of a step `MappedArena.put` described: views of the mapped slab (`slabs`
-    caches the mappings by path)."""
+    keeps the mappings by path, so a slab's pages are mapped into this process once)."""
     if spec["slab"] not in slabs:
-        slabs[spec["slab"]] = torch.from_file(spec["slab"], size=os.path.getsize(spec["slab"]), dtype=torch.uint8)
+        size = os.path.getsize(spec["slab"])
+        slabs[spec["slab"]] = torch.from_file(spec["slab"], shared=True, size=size, dtype=torch.uint8)
     slab, views = slabs[spec["slab"]], {}
     for name, (offset, dtype, shape) in spec["tensors"].items():
         dtype = getattr(torch, dtype)
@@ -148,14 +149,10 @@ def read_step(spec: dict, slabs: dict[str, torch.Tensor], rows: slice) -> dict[s
 
 
 def write_request(directory: str, req_id: str, parts: list[tuple]) -> str:
-    """One request's chunks, as `pop_captured` recorded them, into `directory`: the JSON list locating them in the
-    slabs (mapped), or its states joined into one safetensors file (pageable). Returns the file's path."""
-    mapped = isinstance(parts[0][1], dict)
-    path = os.path.join(directory, f"{req_id}.{'json' if mapped else 'safetensors'}")
-    if mapped:
-        Path(path + ".tmp").write_text(json.dumps([{"start": start, **spec} for start, spec in parts]))
-    else:
-        save_file(_join(req_id, parts), path + ".tmp")
+    """One request's chunks, as the pageable hand-over recorded them, joined into one safetensors file in
+    `directory`. Returns the file's path."""
+    path = os.path.join(directory, f"{req_id}.safetensors")
+    save_file(_join(req_id, parts), path + ".tmp")
     os.replace(path + ".tmp", path)  # complete under its final name only
     return path
 
@@ -174,32 +171,41 @@ def _join(req_id: str, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.
     return dict(zip(STATE_NAMES, (token_ids, aux.contiguous(), final.contiguous())))
 
 
-def load_captured(outputs: list, paths: dict[str, str]) -> list[dict[str, torch.Tensor]]:
-    """The states of each `RequestOutput`, in the order of `outputs`, cut to its prompt; the files are removed.
+def load_captured(outputs: list, captured: dict[str, str | list[dict]],
+                  slabs: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
+    """The states of each `RequestOutput`, in the order of `outputs`, cut to its prompt, from what `pop_captured`
+    returned; the pageable hand-over's files are removed. `slabs`: the mapped slabs' mappings, kept from one call to
+    the next by a caller that reads many rounds.
 
     vLLM's worker sees internal request ids: the output's `request_id`, or it plus "-" and a random suffix.
     Each capture must start with the prompt's tokens: that is checked, not assumed.
     """
-    matched, slabs = [], {}
+    slabs = {} if slabs is None else slabs
+    keys_of = collections.defaultdict(list)  # an output's request id -> the internal ids it may have
+    for key in captured:
+        keys_of[key].append(key)
+        if "-" in key:
+            keys_of[key.rsplit("-", 1)[0]].append(key)
+    matched = []
     for output in outputs:
-        keys = [key for key in paths if key == output.request_id or key.startswith(output.request_id + "-")]
+        keys = keys_of.get(output.request_id, [])
         if len(keys) != 1:
-            raise KeyError(f"request {output.request_id}: {len(keys)} captures match (of {len(paths)})")
-        states, prompt = _load(keys[0], paths[keys[0]], slabs), list(output.prompt_token_ids)
+            raise KeyError(f"request {output.request_id}: {len(keys)} captures match (of {len(captured)})")
+        where = captured[keys[0]]
+        states = load_file(where) if isinstance(where, str) else _mapped(keys[0], where, slabs)
+        prompt = list(output.prompt_token_ids)
         if states["token_ids"][: len(prompt)].tolist() != prompt:
             raise ValueError(f"request {output.request_id}: captured tokens are not its prompt")
         matched.append({name: tensor[: len(prompt)] for name, tensor in states.items()})
-        os.remove(paths[keys[0]])
+        if isinstance(where, str):
+            os.remove(where)
     return matched
 
 
-def _load(req_id: str, path: str, slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One request's states from what `pop_captured` wrote: a safetensors file, or (mapped hand-over) the
-    JSON list of its chunks in the slabs, joined here into tensors of their own."""
-    if not path.endswith(".json"):
-        return load_file(path)
+def _mapped(req_id: str, chunks: list[dict], slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One request's states from its chunks in the mapped slabs, joined into tensors of their own."""
     parts = []
-    for chunk in json.loads(Path(path).read_text()):
+    for chunk in chunks:
         views = read_step(chunk, slabs, slice(chunk["begin"], chunk["end"]))
-        parts.append((chunk["start"], *(views[name] for name in STATE_NAMES)))
+        parts.append((int(views["positions"][0]), *(views[name] for name in STATE_NAMES)))
     return _join(req_id, parts)

@@ -26,7 +26,8 @@ dense models on 0.26, for every model from 0.29).
   replicated across ranks); the other ranks return an empty dict. Pipeline parallelism is not supported.
 - Hand-over (handover.py; RPC results are not a way to move gigabytes), chosen by `set_capture_layers(...,
   handover=)`: `mapped` (the default on a GPU) copies each step's states into page-locked host slabs the main
-  process maps; `pageable` (the default on CPU) moves them with `.cpu()` into one safetensors file per request.
+  process maps, and `pop_captured` returns where each request's chunks lie; `pageable` (the default on CPU) moves
+  them with `.cpu()` into one safetensors file per request.
 - A forward hook on the model (both runners call `self.model(...)`) records each step and hands the runner
   the plain hidden states it expects without a draft. Which tokens belong to which request is read from the
   runner's own step batch: V1 keeps it on the runner (`input_batch.req_ids`, `query_start_loc`,
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from eagle3_pipeline.capture.handover import MappedArena, read_step, write_request
+from eagle3_pipeline.capture.handover import MappedArena, write_request
 
 EXTENSION = "eagle3_pipeline.capture.worker.HiddenStateCapture"
 HANDOVERS = ("auto", "mapped", "pageable")
@@ -69,7 +70,7 @@ class HiddenStateCapture:
         model.set_aux_hidden_state_layers(ids)
         if not hasattr(self, "_capture_chunks"):  # first call: hook the model once
             # per request: (first position, token ids, aux, final) on the host, or (where the chunk lies in
-            # the mapped slabs,): its first position is read there once the copies have landed
+            # the mapped slabs,): the main process reads its first position there once the copies have landed
             self._capture_chunks: dict[str, list[tuple]] = {}
             self._capture_final: torch.Tensor | None = None
             self._capture_arena: MappedArena | None = None
@@ -86,21 +87,23 @@ class HiddenStateCapture:
         inner = "" if language_model is model else f" ({type(language_model).__name__})"
         return f"{type(model).__name__}{inner}: layers {list(ids)} + final norm input"
 
-    def pop_captured(self, directory: str) -> dict[str, str]:
-        """Write what was recorded since the last call, one file per request; its path by vLLM's internal
-        request id (`load_captured` pairs them with the request outputs)."""
+    def pop_captured(self, directory: str) -> dict[str, str | list[dict]]:
+        """What was recorded since the last call, by vLLM's internal request id (`load_captured` pairs them with the
+        request outputs): where each request's chunks lie in the mapped slabs, or (pageable) the safetensors file
+        written into `directory` for it."""
         started = time.perf_counter()
         chunks, self._capture_chunks = self._capture_chunks, {}
-        Path(directory).mkdir(parents=True, exist_ok=True)
         arena = self._capture_arena
         if arena is not None:
             arena.wait()  # every copy into the slabs has landed
             arena.next_round()  # the main process reads this round while the next one fills the other bank
-            chunks = {req_id: [(_first_position(arena, spec), spec) for (spec,) in parts]
-                      for req_id, parts in chunks.items()}
-        written = {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
+            # a few hundred bytes a request: the RPC's result carries them, no file is written
+            captured = {req_id: [spec for (spec,) in parts] for req_id, parts in chunks.items()}
+        else:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            captured = {req_id: write_request(directory, req_id, parts) for req_id, parts in chunks.items()}
         self._capture_timer.seconds["pop_host"] += time.perf_counter() - started
-        return written
+        return captured
 
     def capture_seconds(self) -> dict[str, float]:
         """Where the worker's capture time went since the last call (StepTimer), read once its copies have landed
@@ -206,11 +209,6 @@ class StepTimer:
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
-
-
-def _first_position(arena: MappedArena, spec: dict) -> int:
-    """The position of a mapped chunk's first token, read from its step's slab (its copies have landed)."""
-    return int(read_step(spec, arena.mapped, slice(spec["begin"], spec["begin"] + 1))["positions"][0])
 
 
 class StepBatch:

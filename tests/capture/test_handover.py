@@ -3,6 +3,7 @@ recording path driven as vLLM's model runner drives it."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,12 +57,13 @@ def record(worker: HiddenStateCapture, step: dict) -> None:
 def captured(handover: str, folder: Path, rounds: int = 1) -> list[list[dict[str, torch.Tensor]]]:
     folder.mkdir()
     worker = fake_worker(torch.device("cpu"), handover, NUM_AUX, str(folder))
-    results = []
+    results, slabs = [], {}  # the slabs are mapped once, as the capturer keeps them
     for _ in range(rounds):  # the mapped slabs are reused from the second round on
         for s in STEPS:
             record(worker, s)
-        results.append(load_captured(OUTPUTS, worker.pop_captured(str(folder / "spool"))))
-        assert not list((folder / "spool").iterdir())  # load_captured removed what pop_captured wrote
+        results.append(load_captured(OUTPUTS, worker.pop_captured(str(folder / "spool")), slabs))
+        spool = folder / "spool"
+        assert not (spool.exists() and list(spool.iterdir()))  # load_captured removed what pop_captured wrote
     return results
 
 
@@ -74,6 +76,27 @@ def test_mapped_hand_over_equals_pageable_bit_for_bit(tmp_path):
                 assert ours[name].dtype == reference[name].dtype and torch.equal(ours[name], reference[name])
     assert [len(c["token_ids"]) for c in today] == [10, 4, 8]
     assert torch.equal(today[1]["final_hidden_state"], STEPS[2]["final"][:4])  # "b" as recomputed
+
+
+def test_the_mapped_hand_over_writes_no_file_per_request(tmp_path):
+    """Where each request's chunks lie travels in pop_captured's result (a few hundred bytes a request): no file is
+    written in the spool, and the result is what vLLM's RPC can carry (plain JSON types)."""
+    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path))
+    for s in STEPS:
+        record(worker, s)
+    located = worker.pop_captured(str(tmp_path / "spool"))
+    assert not (tmp_path / "spool").exists()
+    assert json.loads(json.dumps(located)) == located and sorted(located) == ["a", "b", "c"]
+    assert [len(chunks) for chunks in located.values()] == [2, 2, 1]  # "a" chunked, "b" recomputed
+
+
+def test_outputs_are_matched_to_internal_request_ids():
+    """vLLM's worker may see a request's id with a random suffix; an id matching none or two captures fails."""
+    output = SimpleNamespace(request_id="1", prompt_token_ids=[1, 2])
+    with pytest.raises(KeyError, match="request 1: 0 captures match"):
+        load_captured([output], {"10-x": "10-x.safetensors", "11": "11.safetensors"})
+    with pytest.raises(KeyError, match="request 1: 2 captures match"):
+        load_captured([output], {"1-x": "1-x.safetensors", "1-y": "1-y.safetensors"})
 
 
 def test_mapped_hand_over_checks_tokens_against_the_prompt(tmp_path):
@@ -115,13 +138,13 @@ def test_a_round_stays_readable_while_the_next_is_recorded(tmp_path):
     (reference,) = captured("pageable", tmp_path / "pageable")
     (tmp_path / "mapped").mkdir()
     worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path / "mapped"))
-    rounds = []
+    rounds, slabs = [], {}  # mapped once, read in every round after: the mapping sees each round's new states
     for shift in range(3):  # each round's states differ: every step's states plus the round number
         for s in STEPS:
             record(worker, {**s, "aux": [a + shift for a in s["aux"]], "final": s["final"] + shift})
         rounds.append(worker.pop_captured(str(tmp_path / f"spool{shift}")))
         if shift >= 1:  # the round before, read only now that this one is recorded
-            before = load_captured(OUTPUTS, rounds[shift - 1])
+            before = load_captured(OUTPUTS, rounds[shift - 1], slabs)
             for ours, expected in zip(before, reference):
                 assert torch.equal(ours["final_hidden_state"], expected["final_hidden_state"] + (shift - 1))
                 assert torch.equal(ours["aux_hidden_states"], expected["aux_hidden_states"] + (shift - 1))
