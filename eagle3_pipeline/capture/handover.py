@@ -52,7 +52,7 @@ class MappedArena:
             directory = shm
         self.directory = tempfile.mkdtemp(prefix=f"{ORPHAN_PREFIX}{os.getpid()}-", dir=directory)
         self.pin = pin
-        self.mapped: dict[str, torch.Tensor] = {}  # every slab by path (read_step's cache in the worker)
+        self.mapped: dict[str, torch.Tensor] = {}  # every slab by path, unregistered and released with the arena
         self._cleanup = weakref.finalize(self, _release, self.directory, self.mapped, pin)
         # each bank's first slab at once (the arena is made at the first captured step, the warm-up's): page-locking
         # 4 GB takes about a second, which would otherwise fall in the first batch that writes into the second bank
