@@ -12,15 +12,17 @@ samples in batches of `capture.batch_size`, one generated token each, as 02 does
                                  configured), where they differ from the capturer's
     capture                      02's capturer (capture/engine.py): states in the main process, as 02 receives
                                  them before it writes shards, each batch read while the next is prefilled
-Tokens/s per engine (wall clock of the batches, engine start excluded), capture's time over each plain one, and
-where the capture's time went (prefills; reading the states, and the part of it no prefill hid; for the worker
-extension the worker's own account: `worker_steps`, host seconds recording steps and handing rounds over, and on
-a GPU the device seconds of the forwards and of the copies out, from CUDA events).
+    capture, serial              the same capturer, each batch read before the next starts: its prefills alone,
+                                 with nothing read beside them
+Tokens/s per engine (wall clock of the batches, engine start excluded), each capture's time over each plain one,
+and where a capture's time went in its timed batches (`parts_s`: prefills; reading the states, and the part of it
+no prefill hid; for the worker extension the worker's own account: `worker_steps`, host seconds recording steps and
+handing rounds over, and on a GPU the device seconds of the forwards and of the copies out, from CUDA events).
 
 `--profile DIR`: after each engine's timed run, vLLM's torch profiler over `--profile-batches` more batches
 (the engine's worker: host and device), one trace per engine in DIR/<engine>/, summarised into the result: the
 worker's host time by operator (inclusive: a step's annotation holds its operators) and by CUDA runtime call, and
-the device time by kernel; the capture's `parts_s_warmup_included` then counts the profiled batches too.
+the device time by kernel (the overlapped capture only).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 from bench.harness import parser, save
+from eagle3_pipeline.capture.engine import CaptureSeconds
 from eagle3_pipeline.capture.stage import load_samples
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.target import run_aux_layer_ids, target_path, text_config
@@ -48,11 +51,13 @@ def chosen_samples(samples: list, max_samples: int, repeat: int) -> list:
     return (samples * repeat)[:max_samples]
 
 
-def timed_batches(samples, batch_size: int, run_batch, run_batches=None) -> float:
+def timed_batches(samples, batch_size: int, run_batch, run_batches=None, warmed_up=None) -> float:
     """Seconds to run every batch (`run_batches(batches)` at once, or `run_batch` on each), after one unmeasured
-    batch (the warm-up)."""
+    batch (the warm-up), then `warmed_up()` where given."""
     batches = batches_of(samples, batch_size)
     run_batch(batches[0])
+    if warmed_up is not None:
+        warmed_up()
     started = time.perf_counter()
     if run_batches is None:
         for batch in batches:
@@ -129,14 +134,20 @@ def trace_summary(trace: Path, top: int = 12) -> dict:
 def summary(args, overrides: list[str], samples: list, tokens: int, batch_size: int, rows: dict) -> dict:
     return {"config": args.config, "overrides": overrides, "samples": len(samples), "repeat": args.repeat,
             "tokens": tokens, "batch_size": batch_size, "engines": rows,
-            "capture_over_plain": {name: rows["capture"]["seconds"] / row["seconds"]
-                                   for name, row in rows.items() if name != "capture"}}
+            "capture_over_plain": {capture: {name: rows[capture]["seconds"] / row["seconds"]
+                                             for name, row in rows.items() if name.startswith("plain")}
+                                   for capture in rows if capture.startswith("capture")}}
 
 
-def measured_row(llm, samples, batch_size: int, tokens: int, run_batch, args, profiling: dict, run_batches=None):
-    """Seconds and tokens/s of every batch after a warm-up, and the profile of a few more where asked."""
-    seconds = timed_batches(samples, batch_size, run_batch, run_batches)
+def measured_row(llm, samples, batch_size: int, tokens: int, run_batch, args, profiling: dict, run_batches=None,
+                 capturer=None):
+    """Seconds and tokens/s of every batch after a warm-up, for a `capturer` where those batches' time went, and the
+    profile of a few more where asked."""
+    counted_from_here = None if capturer is None else (lambda: setattr(capturer, "seconds", CaptureSeconds()))
+    seconds = timed_batches(samples, batch_size, run_batch, run_batches, counted_from_here)
     row = {"seconds": round(seconds, 2), "tokens_per_s": tokens / seconds}
+    if capturer is not None:
+        row["parts_s"] = capturer.seconds.record()
     if profiling:
         row["profile"] = profiled(llm, samples, batch_size, run_batch, args.profile_batches,
                                   profiling["profiler_config"]["torch_profiler_dir"])
@@ -194,8 +205,9 @@ def main() -> None:
     capturer = open_capturer(config, model_dir, text, run_aux_layer_ids(config, text["num_hidden_layers"]), text_only)
     rows["capture"] = {"method": method, **measured_row(
         capturer.llm, samples, batch_size, tokens, capturer.capture, args, profiling,
-        lambda batches: collections.deque(capturer.capture_batches(batches), maxlen=0))}
-    rows["capture"]["parts_s_warmup_included"] = capturer.seconds.record()
+        lambda batches: collections.deque(capturer.capture_batches(batches), maxlen=0), capturer)}
+    rows["capture, serial"] = {"method": method, **measured_row(
+        capturer.llm, samples, batch_size, tokens, capturer.capture, args, {}, capturer=capturer)}
     shut_down(capturer.llm)
     result = summary(args, overrides, samples, tokens, batch_size, rows)
     save(args.out, result)

@@ -40,6 +40,10 @@ def test_every_batch_is_timed_after_one_warm_up():
     warm, at_once = [], []
     timed_batches(samples, 2, warm.append, at_once.append)
     assert warm == [[([0], []), ([1], [])]] and at_once == [seen[1:]]
+    # a capture's parts are counted from the end of the warm-up
+    order = []
+    timed_batches(samples, 2, lambda batch: order.append("batch"), warmed_up=lambda: order.append("counted"))
+    assert order == ["batch", "counted", "batch", "batch", "batch"]
 
 
 def test_repeat_takes_the_samples_again_up_to_the_most():
@@ -50,9 +54,11 @@ def test_repeat_takes_the_samples_again_up_to_the_most():
 
 def test_capture_over_each_plain_engine():
     rows = {"plain, capturer's settings": {"seconds": 1.15}, "plain, config's settings": {"seconds": 1.0},
-            "capture": {"seconds": 2.3}}
+            "capture": {"seconds": 2.3}, "capture, serial": {"seconds": 2.0}}
     result = summary(argparse.Namespace(config="c.yaml", repeat=1), [], [1, 2], 10, 256, rows)
-    assert result["capture_over_plain"] == {"plain, capturer's settings": 2.0, "plain, config's settings": 2.3}
+    assert result["capture_over_plain"] == {
+        "capture": {"plain, capturer's settings": 2.0, "plain, config's settings": 2.3},
+        "capture, serial": {"plain, capturer's settings": 2.0 / 1.15, "plain, config's settings": 2.0}}
 
 
 def test_each_engine_profiles_into_a_folder_of_its_own():
