@@ -9,6 +9,7 @@ each bench's question, hardware, output, latest result and command, and the reti
     speculators_trainer  speculators' own trainer on our stage outputs (used by both quality benches)
     gpu_pipeline         every stage on a GPU node, per stand-in, capture path and model runner
     capture_overhead     02's capture against the same engine's plain prefill
+    handover_read        02's main process reading the worker extension's states out of the mapped slabs
     stream               stream mode against offline on one machine
     stream_items         one stream item's host cost per side: 02's encode and put, 04's get, check and decode
     stream_handoff       the stream's hand-over alone at a GPU run's pace (the GPU's work as sleeps or products)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 SLAB_BYTES = 4 << 30  # a mapped slab's size, at least (a step larger than this gets a slab of its own size)
 CPU_SLAB_BYTES = 256 << 20  # the same without a GPU (tests: small steps, maybe a small temp disk)
 ALIGN = 4096
+BLOCK_BYTES = 8 << 20  # the reader copies a step out of its slab in blocks of about this size (StepCopy)
 ORPHAN_PREFIX = "capture-handover-"  # + the worker's pid
 STATE_NAMES = ("token_ids", "aux_hidden_states", "final_hidden_state")
 
@@ -160,6 +161,8 @@ def write_request(directory: str, req_id: str, parts: list[tuple]) -> str:
 def _join(req_id: str, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One request's chunks in order. A chunk starting at an earlier position replaces what followed it
     (vLLM recomputes a preempted request from its start)."""
+    if len(parts) == 1 and parts[0][0] == 0:  # computed in one step: its chunk (host memory of its own) as it is
+        return dict(zip(STATE_NAMES, parts[0][1:]))
     token_ids, aux, final = parts[0][1][:0], parts[0][2][:0], parts[0][3][:0]
     for start, chunk_tokens, chunk_aux, chunk_final in parts:
         if start > len(token_ids):
@@ -181,6 +184,7 @@ def load_captured(outputs: list, captured: dict[str, str | list[dict]],
     Each capture must start with the prompt's tokens: that is checked, not assumed.
     """
     slabs = {} if slabs is None else slabs
+    steps: dict[tuple, StepCopy] = {}  # the steps read so far, by where each lies
     keys_of = collections.defaultdict(list)  # an output's request id -> the internal ids it may have
     for key in captured:
         keys_of[key].append(key)
@@ -192,7 +196,7 @@ def load_captured(outputs: list, captured: dict[str, str | list[dict]],
         if len(keys) != 1:
             raise KeyError(f"request {output.request_id}: {len(keys)} captures match (of {len(captured)})")
         where = captured[keys[0]]
-        states = load_file(where) if isinstance(where, str) else _mapped(keys[0], where, slabs)
+        states = load_file(where) if isinstance(where, str) else _mapped(keys[0], where, slabs, steps)
         prompt = list(output.prompt_token_ids)
         if states["token_ids"][: len(prompt)].tolist() != prompt:
             raise ValueError(f"request {output.request_id}: captured tokens are not its prompt")
@@ -202,10 +206,42 @@ def load_captured(outputs: list, captured: dict[str, str | list[dict]],
     return matched
 
 
-def _mapped(req_id: str, chunks: list[dict], slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One request's states from its chunks in the mapped slabs, joined into tensors of their own."""
+def _mapped(req_id: str, chunks: list[dict], slabs: dict[str, torch.Tensor], steps: dict[tuple, StepCopy]) -> dict:
+    """One request's states from its chunks in the mapped slabs, in host memory of their own."""
     parts = []
     for chunk in chunks:
-        views = read_step(chunk, slabs, slice(chunk["begin"], chunk["end"]))
-        parts.append((int(views["positions"][0]), *(views[name] for name in STATE_NAMES)))
+        where = (chunk["slab"], chunk["tensors"]["token_ids"][0])
+        if where not in steps:
+            steps[where] = StepCopy(read_step(chunk, slabs, slice(None)))
+        step = steps[where]
+        parts.append((step.positions[chunk["begin"]], *step.rows(chunk["begin"], chunk["end"])))
     return _join(req_id, parts)
+
+
+class StepCopy:
+    """A step's states in its slab, copied out in blocks of about BLOCK_BYTES as its requests are read; a request's
+    rows are a view of their block, or a copy of their own where they span a block boundary (every request of a
+    block's size or more does)
+
+    Why blocks: each torch call gives up the GIL and must win it back from the main thread, which runs `generate`
+    meanwhile, so a copy per request and tensor made this read several times slower beside the engine than alone
+    (bench/handover_read.py); and blocks much larger than this would be fresh pages from the system each time, to
+    fault in, where freed blocks of this size are reused by the allocator."""
+
+    def __init__(self, views: dict[str, torch.Tensor]):
+        self.views = views
+        self.positions: list[int] = views["positions"].tolist()
+        row_bytes = sum(views[name][0].numel() * views[name].element_size() for name in STATE_NAMES)
+        self.block_rows = max(1, BLOCK_BYTES // row_bytes)
+        self.blocks: dict[int, list[torch.Tensor]] = {}
+
+    def rows(self, begin: int, end: int) -> list[torch.Tensor]:
+        """Rows begin:end of each of STATE_NAMES."""
+        block = begin // self.block_rows
+        if block != (end - 1) // self.block_rows:  # a block's worth or more (Kimi's long prompts), or across two
+            return [self.views[name][begin:end].clone() for name in STATE_NAMES]
+        if block not in self.blocks:
+            first = block * self.block_rows
+            self.blocks[block] = [self.views[name][first : first + self.block_rows].clone() for name in STATE_NAMES]
+        offset = block * self.block_rows
+        return [tensor[begin - offset : end - offset] for tensor in self.blocks[block]]

@@ -87,6 +87,17 @@ class HiddenStateCapture:
         inner = "" if language_model is model else f" ({type(language_model).__name__})"
         return f"{type(model).__name__}{inner}: layers {list(ids)} + final norm input"
 
+    @classmethod
+    def without_engine(cls, num_aux: int, handover: str, directory: str | None = None,
+                       device: torch.device = torch.device("cpu")) -> HiddenStateCapture:
+        """The extension as rank 0's worker holds it after `set_capture_layers`, with no engine around it: what
+        tests and bench/handover_read.py drive the recording (`_record_step`) and the hand-over through."""
+        capture = cls()
+        capture.rank, capture._capture_chunks, capture._capture_timer = 0, {}, StepTimer()
+        capture._capture_layer_ids, capture._capture_handover = tuple(range(num_aux)), handover
+        capture._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
+        return capture
+
     def pop_captured(self, directory: str) -> dict[str, str | list[dict]]:
         """What was recorded since the last call, by vLLM's internal request id (`load_captured` pairs them with the
         request outputs): where each request's chunks lie in the mapped slabs, or (pageable) the safetensors file

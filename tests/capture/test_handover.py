@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from eagle3_pipeline.capture import handover
 from eagle3_pipeline.capture.handover import ORPHAN_PREFIX, MappedArena, load_captured
-from eagle3_pipeline.capture.worker import HiddenStateCapture, StepTimer
+from eagle3_pipeline.capture.worker import HiddenStateCapture
 
 HIDDEN, NUM_AUX = 16, 3
 PROMPTS = {"a": list(range(100, 110)), "b": list(range(200, 204)), "c": list(range(300, 308))}
@@ -37,17 +38,6 @@ STEPS = [step({"a": (0, 6), "b": (0, 3)}, 0), step({"a": (6, 10), "c": (0, 8)}, 
 OUTPUTS = [SimpleNamespace(request_id=r, prompt_token_ids=ids) for r, ids in PROMPTS.items()]
 
 
-def fake_worker(device: torch.device, handover: str, num_aux: int, directory: str) -> HiddenStateCapture:
-    """The extension as vLLM's worker would hold it after `set_capture_layers`, rank 0."""
-    worker = HiddenStateCapture()
-    worker.rank, worker._capture_chunks = 0, {}
-    worker._capture_layer_ids, worker._capture_handover = tuple(range(num_aux)), handover
-    worker._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
-    worker.model_runner = SimpleNamespace(device=device)
-    worker._capture_timer = StepTimer()
-    return worker
-
-
 def record(worker: HiddenStateCapture, step: dict) -> None:
     # the step's batch as `StepBatch.take` reads it from either model runner
     batch = step["req_ids"], step["starts"][: len(step["req_ids"]) + 1].tolist(), step["token_ids"]
@@ -56,7 +46,7 @@ def record(worker: HiddenStateCapture, step: dict) -> None:
 
 def captured(handover: str, folder: Path, rounds: int = 1) -> list[list[dict[str, torch.Tensor]]]:
     folder.mkdir()
-    worker = fake_worker(torch.device("cpu"), handover, NUM_AUX, str(folder))
+    worker = HiddenStateCapture.without_engine(NUM_AUX, handover, str(folder))
     results, slabs = [], {}  # the slabs are mapped once, as the capturer keeps them
     for _ in range(rounds):  # the mapped slabs are reused from the second round on
         for s in STEPS:
@@ -67,7 +57,14 @@ def captured(handover: str, folder: Path, rounds: int = 1) -> list[list[dict[str
     return results
 
 
-def test_mapped_hand_over_equals_pageable_bit_for_bit(tmp_path):
+# The reader copies steps out in blocks (handover.StepCopy): its default (every step here in one block), and blocks of
+# 4 rows (136 bytes a row here), where "a" and "c" span block boundaries and "a"'s second chunk fills a block.
+BLOCK_SIZES = [handover.BLOCK_BYTES, 4 * 136]
+
+
+@pytest.mark.parametrize("block_bytes", BLOCK_SIZES)
+def test_mapped_hand_over_equals_pageable_bit_for_bit(tmp_path, monkeypatch, block_bytes):
+    monkeypatch.setattr(handover, "BLOCK_BYTES", block_bytes)
     (today,) = captured("pageable", tmp_path / "pageable")
     for mapped in captured("mapped", tmp_path / "mapped", rounds=2):
         for ours, reference in zip(mapped, today):
@@ -78,10 +75,28 @@ def test_mapped_hand_over_equals_pageable_bit_for_bit(tmp_path):
     assert torch.equal(today[1]["final_hidden_state"], STEPS[2]["final"][:4])  # "b" as recomputed
 
 
+@pytest.mark.parametrize("block_bytes", BLOCK_SIZES)
+def test_states_read_stay_intact_once_their_slabs_are_reused(tmp_path, monkeypatch, block_bytes):
+    """What load_captured returns is the reader's own memory: two rounds later the worker writes the same slabs."""
+    monkeypatch.setattr(handover, "BLOCK_BYTES", block_bytes)
+    (reference,) = captured("pageable", tmp_path / "pageable")
+    worker = HiddenStateCapture.without_engine(NUM_AUX, "mapped", str(tmp_path))
+    read, slabs = [], {}
+    for shift in range(3):  # round 2 writes where round 0 lay
+        for s in STEPS:
+            record(worker, {**s, "aux": [a + shift for a in s["aux"]], "final": s["final"] + shift})
+        read.append(load_captured(OUTPUTS, worker.pop_captured(str(tmp_path / "spool")), slabs))
+    for shift, states in enumerate(read):
+        for ours, expected in zip(states, reference):
+            assert torch.equal(ours["aux_hidden_states"], expected["aux_hidden_states"] + shift)
+            assert torch.equal(ours["final_hidden_state"], expected["final_hidden_state"] + shift)
+            assert torch.equal(ours["token_ids"], expected["token_ids"])
+
+
 def test_the_mapped_hand_over_writes_no_file_per_request(tmp_path):
     """Where each request's chunks lie travels in pop_captured's result (a few hundred bytes a request): no file is
     written in the spool, and the result is what vLLM's RPC can carry (plain JSON types)."""
-    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path))
+    worker = HiddenStateCapture.without_engine(NUM_AUX, "mapped", str(tmp_path))
     for s in STEPS:
         record(worker, s)
     located = worker.pop_captured(str(tmp_path / "spool"))
@@ -100,7 +115,7 @@ def test_outputs_are_matched_to_internal_request_ids():
 
 
 def test_mapped_hand_over_checks_tokens_against_the_prompt(tmp_path):
-    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path))
+    worker = HiddenStateCapture.without_engine(NUM_AUX, "mapped", str(tmp_path))
     for s in STEPS:
         record(worker, s)
     paths = worker.pop_captured(str(tmp_path / "spool"))
@@ -137,7 +152,7 @@ def test_a_round_stays_readable_while_the_next_is_recorded(tmp_path):
     two banks, so the round before is intact until the round after the next one."""
     (reference,) = captured("pageable", tmp_path / "pageable")
     (tmp_path / "mapped").mkdir()
-    worker = fake_worker(torch.device("cpu"), "mapped", NUM_AUX, str(tmp_path / "mapped"))
+    worker = HiddenStateCapture.without_engine(NUM_AUX, "mapped", str(tmp_path / "mapped"))
     rounds, slabs = [], {}  # mapped once, read in every round after: the mapping sees each round's new states
     for shift in range(3):  # each round's states differ: every step's states plus the round number
         for s in STEPS:
