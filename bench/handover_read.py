@@ -76,7 +76,7 @@ def python_work(until) -> None:
 def measured(args) -> dict:
     worker = HiddenStateCapture.without_engine(args.aux, "mapped")
     states = torch.randn(args.aux + 1, args.step_tokens, args.hidden).to(torch.bfloat16)
-    bytes_per_token = (args.aux + 1) * args.hidden * 2 + 2 * 8  # states, token ids and positions
+    nbytes = args.requests * args.tokens * ((args.aux + 1) * args.hidden * 2 + 2 * 8)  # states, token ids, positions
     slabs, held, rounds = {}, [], []
     with ThreadPoolExecutor(1, thread_name_prefix="collect") as collector:
         for index in range(args.rounds):
@@ -87,14 +87,13 @@ def measured(args) -> dict:
                 python_work(reading)
             held = [*held[-1:], reading.result()]
             seconds = time.perf_counter() - started
-            nbytes = args.requests * args.tokens * bytes_per_token
             rounds.append({"seconds": round(seconds, 4), "GB_per_s": nbytes / seconds / 1e9,
                            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
     # the first three rounds' states (two held, one being read) are memory new to the process, faulted in
     steady = [r["GB_per_s"] for r in rounds[3:]] or [r["GB_per_s"] for r in rounds]
     return {"shape": {name: getattr(args, name) for name in ("hidden", "aux", "requests", "tokens", "step_tokens")},
             "beside_python": args.beside_python, "torch_threads": torch.get_num_threads(),
-            "bytes_per_round": args.requests * args.tokens * bytes_per_token, "rounds": rounds,
+            "bytes_per_round": nbytes, "rounds": rounds,
             "median_GB_per_s_after_three_rounds": statistics.median(steady)}
 
 

@@ -240,8 +240,7 @@ class StepCopy:
         block = begin // self.block_rows
         if block != (end - 1) // self.block_rows:  # a block's worth or more (Kimi's long prompts), or across two
             return [self.views[name][begin:end].clone() for name in STATE_NAMES]
-        if block not in self.blocks:
-            first = block * self.block_rows
-            self.blocks[block] = [self.views[name][first : first + self.block_rows].clone() for name in STATE_NAMES]
         offset = block * self.block_rows
+        if block not in self.blocks:
+            self.blocks[block] = [self.views[name][offset : offset + self.block_rows].clone() for name in STATE_NAMES]
         return [tensor[begin - offset : end - offset] for tensor in self.blocks[block]]

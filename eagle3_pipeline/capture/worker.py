@@ -88,14 +88,13 @@ class HiddenStateCapture:
         return f"{type(model).__name__}{inner}: layers {list(ids)} + final norm input"
 
     @classmethod
-    def without_engine(cls, num_aux: int, handover: str, directory: str | None = None,
-                       device: torch.device = torch.device("cpu")) -> HiddenStateCapture:
-        """The extension as rank 0's worker holds it after `set_capture_layers`, with no engine around it: what
-        tests and bench/handover_read.py drive the recording (`_record_step`) and the hand-over through."""
+    def without_engine(cls, num_aux: int, handover: str, directory: str | None = None) -> HiddenStateCapture:
+        """The extension as rank 0's worker holds it after `set_capture_layers`, on the host with no engine around it:
+        what tests and bench/handover_read.py drive the recording (`_record_step`) and the hand-over through."""
         capture = cls()
         capture.rank, capture._capture_chunks, capture._capture_timer = 0, {}, StepTimer()
         capture._capture_layer_ids, capture._capture_handover = tuple(range(num_aux)), handover
-        capture._capture_arena = MappedArena(device.type == "cuda", directory) if handover == "mapped" else None
+        capture._capture_arena = MappedArena(pin=False, directory=directory) if handover == "mapped" else None
         return capture
 
     def pop_captured(self, directory: str) -> dict[str, str | list[dict]]:
